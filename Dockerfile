@@ -1,0 +1,52 @@
+# syntax=docker/dockerfile:1
+
+# ---------------------------------------------------------------------------
+# Builder
+# ---------------------------------------------------------------------------
+FROM rust:1.95-bookworm AS builder
+WORKDIR /build
+
+# 1. Dependencies only: build a dummy crate with the real manifest and lock
+#    file, so this (slow) layer is cached until Cargo.toml/Cargo.lock change.
+COPY Cargo.toml Cargo.lock build.rs ./
+RUN mkdir -p src migrations config \
+ && echo 'fn main() {}' > src/main.rs \
+ && : > src/lib.rs \
+ && cargo build --release --locked --bin timeoutd \
+ && rm -rf src
+
+# 2. The real sources. COPY keeps the files' original mtimes, which may be
+#    older than the dummy build above, so touch them to force a rebuild.
+COPY src/ src/
+COPY migrations/ migrations/
+COPY config/ config/
+RUN touch src/main.rs src/lib.rs build.rs \
+ && cargo build --release --locked --bin timeoutd \
+ && strip target/release/timeoutd
+
+# ---------------------------------------------------------------------------
+# Runtime
+# ---------------------------------------------------------------------------
+FROM debian:bookworm-slim AS runtime
+
+# rustls is used for TLS (no OpenSSL); ca-certificates for the native roots,
+# curl for the compose healthcheck (GET /healthz).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates curl \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --system --gid 10001 timeoutd \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home \
+      --home-dir /nonexistent --shell /usr/sbin/nologin timeoutd
+
+COPY --from=builder /build/target/release/timeoutd /usr/local/bin/timeoutd
+COPY --from=builder /build/config/default.toml /etc/timeoutd/default.toml
+
+# Listen on all interfaces inside the container (the built-in default is
+# loopback only, which would be unreachable through a published port).
+ENV TIMEOUTD__HTTP__LISTEN=0.0.0.0:9464
+EXPOSE 9464
+
+USER 10001
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["timeoutd"]
+CMD ["run"]

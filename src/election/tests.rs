@@ -1,0 +1,546 @@
+use super::*;
+
+const MS: Duration = Duration::from_millis(1);
+
+fn timing() -> Timing {
+    Timing::new(Duration::from_secs(1), Duration::from_secs(3))
+}
+
+fn id(n: u8) -> Uuid {
+    Uuid::from_bytes([n; 16])
+}
+
+fn heard(from: Uuid) -> Heard {
+    Heard {
+        from,
+        active: false,
+        leaving: false,
+        probe: false,
+    }
+}
+
+fn drain(e: &mut Election) -> Vec<Output> {
+    std::iter::from_fn(|| e.poll_output()).collect()
+}
+
+fn sends(outputs: &[Output]) -> Vec<Announce> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::Send(a) => Some(*a),
+            _ => None,
+        })
+        .collect()
+}
+
+fn role_changes(outputs: &[Output]) -> Vec<(Role, Reason)> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::RoleChanged { role, reason, .. } => Some((*role, reason.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A node that has heard its own echo and settled by timeout, alone in the group.
+fn settled_alone(me: Uuid, t0: Instant) -> Election {
+    let mut e = Election::new(me, timing(), t0);
+    e.step(t0 + MS, heard(me));
+    e.tick(t0 + Duration::from_secs(1));
+    e
+}
+
+#[test]
+fn starts_passive_and_sends_a_probe() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(1), timing(), t0);
+    assert_eq!(e.role(), Role::Passive);
+    assert!(!e.is_settled());
+    let out = drain(&mut e);
+    assert_eq!(
+        sends(&out),
+        vec![Announce {
+            active: false,
+            leaving: false,
+            probe: true
+        }]
+    );
+}
+
+#[test]
+fn stays_passive_while_settling_even_when_lowest() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(1), timing(), t0);
+    e.step(t0 + MS, heard(id(1)));
+    e.tick(t0 + Duration::from_millis(999));
+    assert_eq!(e.role(), Role::Passive);
+    assert!(!e.check_lease(t0 + Duration::from_millis(999)));
+}
+
+#[test]
+fn lowest_becomes_active_after_one_announce_interval() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(1), timing(), t0);
+    drain(&mut e);
+    e.tick(t0 + Duration::from_secs(1));
+    let out = drain(&mut e);
+    assert_eq!(e.role(), Role::Active);
+    assert_eq!(role_changes(&out), vec![(Role::Active, Reason::Lowest)]);
+    // The first announcement after settling is not a probe and says active.
+    assert_eq!(
+        sends(&out).last(),
+        Some(&Announce {
+            active: true,
+            leaving: false,
+            probe: false
+        })
+    );
+}
+
+#[test]
+fn newcomer_does_not_act_while_a_lower_node_answers_its_probe() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(5), timing(), t0);
+    e.step(t0 + MS, heard(id(2)));
+    e.tick(t0 + Duration::from_secs(1));
+    assert_eq!(e.role(), Role::Passive);
+    let changes = role_changes(&drain(&mut e));
+    assert!(changes.is_empty(), "never active: {changes:?}");
+}
+
+#[test]
+fn active_answer_from_a_higher_node_ends_settling_early() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(1), timing(), t0);
+    let answer = Heard {
+        active: true,
+        ..heard(id(9))
+    };
+    e.step(t0 + 5 * MS, answer);
+    assert!(e.is_settled());
+    assert_eq!(e.role(), Role::Active);
+}
+
+#[test]
+fn active_answer_from_a_lower_node_settles_passive() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(5), timing(), t0);
+    e.step(
+        t0 + 5 * MS,
+        Heard {
+            active: true,
+            ..heard(id(1))
+        },
+    );
+    assert!(e.is_settled());
+    assert_eq!(e.role(), Role::Passive);
+}
+
+#[test]
+fn a_probing_member_is_not_a_candidate_until_it_settles() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(5), t0);
+    assert_eq!(e.role(), Role::Active);
+    let t = t0 + Duration::from_millis(1100);
+    e.step(
+        t,
+        Heard {
+            probe: true,
+            ..heard(id(1))
+        },
+    );
+    assert_eq!(e.role(), Role::Active, "a probing newcomer does not depose");
+    e.step(t + 10 * MS, heard(id(1)));
+    assert_eq!(e.role(), Role::Passive);
+    let out = drain(&mut e);
+    assert!(role_changes(&out).contains(&(Role::Passive, Reason::LowerMember(id(1)))));
+}
+
+#[test]
+fn answers_every_probe_from_another_node_at_once() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(5), t0);
+    drain(&mut e);
+    let t = t0 + Duration::from_millis(1100);
+    e.step(
+        t,
+        Heard {
+            probe: true,
+            ..heard(id(7))
+        },
+    );
+    assert_eq!(
+        sends(&drain(&mut e)),
+        vec![Announce {
+            active: true,
+            leaving: false,
+            probe: false
+        }]
+    );
+}
+
+#[test]
+fn own_probe_echo_is_not_answered() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(5), timing(), t0);
+    drain(&mut e);
+    e.step(
+        t0 + MS,
+        Heard {
+            probe: true,
+            ..heard(id(5))
+        },
+    );
+    assert!(sends(&drain(&mut e)).is_empty());
+}
+
+#[test]
+fn a_burst_of_probes_costs_one_answer() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(5), t0);
+    drain(&mut e);
+    let t = t0 + Duration::from_millis(1100);
+    for n in 6..20 {
+        e.step(
+            t,
+            Heard {
+                probe: true,
+                ..heard(id(n))
+            },
+        );
+    }
+    assert_eq!(sends(&drain(&mut e)).len(), 1);
+}
+
+#[test]
+fn announces_every_interval_and_not_more_often() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    drain(&mut e);
+    let mut sent = 0;
+    // Ten seconds of 250 ms ticks, hearing our own echo each time.
+    for step in 1..=40u64 {
+        let now = t0 + Duration::from_secs(1) + Duration::from_millis(250 * step);
+        e.step(now, heard(id(1)));
+        e.tick(now);
+        sent += sends(&drain(&mut e)).len();
+    }
+    assert_eq!(sent, 10);
+}
+
+/// The published `cleanOld` kept members whose last sighting was older than the window.
+/// Table: (age of the member at the tick, still a member afterwards).
+#[test]
+fn expiry_keeps_live_members_and_drops_old_ones() {
+    let cases = [
+        (Duration::ZERO, true),
+        (Duration::from_millis(2999), true),
+        (Duration::from_secs(3), true),
+        (Duration::from_millis(3001), false),
+        (Duration::from_secs(10), false),
+    ];
+    for (age, kept) in cases {
+        let t0 = Instant::now();
+        let mut e = Election::new(id(5), timing(), t0);
+        e.step(t0, heard(id(1)));
+        // Keep ticking (no pause) and keep hearing ourselves so only id(1) ages.
+        let mut now = t0;
+        while now < t0 + age {
+            now = (now + Duration::from_millis(250)).min(t0 + age);
+            e.step(now, heard(id(5)));
+            e.tick(now);
+        }
+        let ids: Vec<Uuid> = e.members(now).iter().map(|m| m.id).collect();
+        assert_eq!(ids.contains(&id(1)), kept, "age {age:?}");
+    }
+}
+
+#[test]
+fn takes_over_when_the_lower_member_expires() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(5), timing(), t0);
+    e.step(t0, heard(id(1)));
+    let mut now = t0;
+    let mut took_over_at = None;
+    while now < t0 + Duration::from_secs(5) {
+        now += Duration::from_millis(250);
+        e.step(now, heard(id(5)));
+        e.tick(now);
+        if e.role() == Role::Active && took_over_at.is_none() {
+            took_over_at = Some(now - t0);
+        }
+    }
+    // Last heard at t0, ttl 3 s, tick 250 ms: active at the first tick after 3 s.
+    assert_eq!(took_over_at, Some(Duration::from_millis(3250)));
+}
+
+#[test]
+fn leaving_removes_the_member_at_once() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(5), timing(), t0);
+    e.step(t0, heard(id(1)));
+    e.tick(t0 + Duration::from_secs(1));
+    assert_eq!(e.role(), Role::Passive);
+    e.step(
+        t0 + Duration::from_millis(1100),
+        Heard {
+            leaving: true,
+            ..heard(id(1))
+        },
+    );
+    assert_eq!(e.role(), Role::Active, "within the same step, not a tick later");
+    assert!(e.members(t0).iter().all(|m| m.id != id(1)));
+}
+
+#[test]
+fn an_observer_probe_with_leaving_gets_an_answer_but_no_membership() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(5), t0);
+    drain(&mut e);
+    e.step(
+        t0 + Duration::from_millis(1100),
+        Heard {
+            probe: true,
+            leaving: true,
+            ..heard(id(1))
+        },
+    );
+    assert_eq!(e.role(), Role::Active);
+    assert_eq!(sends(&drain(&mut e)).len(), 1);
+    assert!(e.members(t0).iter().all(|m| m.id != id(1)));
+}
+
+#[test]
+fn hearing_nobody_warns_once_and_acts_alone() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(9), timing(), t0);
+    e.step(t0, heard(id(1)));
+    let mut outs = Vec::new();
+    let mut now = t0;
+    while now < t0 + Duration::from_secs(6) {
+        now += Duration::from_millis(250);
+        e.tick(now);
+        outs.extend(drain(&mut e));
+    }
+    let warnings = outs
+        .iter()
+        .filter(|o| matches!(o, Output::BusSilent { .. }))
+        .count();
+    assert_eq!(warnings, 1);
+    assert_eq!(e.role(), Role::Active);
+}
+
+#[test]
+fn hearing_again_rearms_the_silence_warning() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(9), timing(), t0);
+    let mut now = t0;
+    let mut warnings = 0;
+    for round in 0..2 {
+        while now < t0 + Duration::from_secs(4 * (round + 1)) {
+            now += Duration::from_millis(250);
+            e.tick(now);
+        }
+        e.step(now, heard(id(9)));
+        warnings += drain(&mut e)
+            .iter()
+            .filter(|o| matches!(o, Output::BusSilent { .. }))
+            .count();
+    }
+    assert_eq!(warnings, 2);
+}
+
+#[test]
+fn a_pause_longer_than_member_ttl_drops_the_role_and_settles_again() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    assert_eq!(e.role(), Role::Active);
+    drain(&mut e);
+    let resumed = t0 + Duration::from_secs(1) + Duration::from_millis(3001);
+    assert!(!e.check_lease(resumed), "stale lease must not commit");
+    assert_eq!(e.role(), Role::Passive);
+    assert!(!e.is_settled());
+    let out = drain(&mut e);
+    assert!(matches!(
+        role_changes(&out).as_slice(),
+        [(Role::Passive, Reason::Paused(_))]
+    ));
+    assert!(sends(&out).iter().any(|a| a.probe), "re-probes the group");
+    // Settles again after one interval and, still alone, acts again.
+    e.tick(resumed + Duration::from_secs(1));
+    assert_eq!(e.role(), Role::Active);
+}
+
+/// Table: (gap since the last tick, lease still held).
+#[test]
+fn check_lease_accepts_gaps_up_to_member_ttl() {
+    let cases = [
+        (Duration::from_millis(250), true),
+        (Duration::from_secs(3), true),
+        (Duration::from_millis(3001), false),
+    ];
+    for (gap, held) in cases {
+        let t0 = Instant::now();
+        let mut e = settled_alone(id(1), t0);
+        let last_tick = t0 + Duration::from_secs(1);
+        assert_eq!(e.check_lease(last_tick + gap), held, "gap {gap:?}");
+    }
+}
+
+#[test]
+fn passive_node_has_no_lease() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(5), timing(), t0);
+    e.step(t0, heard(id(1)));
+    e.tick(t0 + Duration::from_secs(1));
+    assert!(!e.check_lease(t0 + Duration::from_secs(1)));
+}
+
+#[test]
+fn stale_queued_announcements_after_a_pause_do_not_restore_the_role() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    let resumed = t0 + Duration::from_secs(10);
+    e.step(resumed, heard(id(1)));
+    assert_eq!(e.role(), Role::Passive);
+    assert!(!e.is_settled());
+}
+
+#[test]
+fn lag_past_max_lag_steps_down_and_recovers_when_on_time() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    drain(&mut e);
+    let t = t0 + Duration::from_millis(1100);
+    e.observe_own_lag(t, Duration::from_millis(1600));
+    assert_eq!(e.role(), Role::Passive);
+    let out = drain(&mut e);
+    assert!(out.contains(&Output::Lagging {
+        lag: Duration::from_millis(1600)
+    }));
+    assert!(matches!(
+        role_changes(&out).as_slice(),
+        [(Role::Passive, Reason::Lagging(_))]
+    ));
+    // Lag alone keeps it passive even though it is the lowest.
+    e.tick(t + Duration::from_millis(250));
+    assert_eq!(e.role(), Role::Passive);
+    e.observe_own_lag(t + Duration::from_millis(300), Duration::from_millis(5));
+    assert_eq!(e.role(), Role::Active);
+}
+
+#[test]
+fn lag_within_max_lag_changes_nothing() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    drain(&mut e);
+    e.observe_own_lag(t0 + Duration::from_millis(1100), Duration::from_millis(1500));
+    assert_eq!(e.role(), Role::Active);
+    assert!(drain(&mut e).is_empty());
+}
+
+#[test]
+fn persistent_lag_asks_to_exit() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    drain(&mut e);
+    let lag = Duration::from_secs(2);
+    let mut exits = 0;
+    let mut now = t0 + Duration::from_secs(1);
+    for _ in 0..40 {
+        now += Duration::from_millis(250);
+        e.tick(now);
+        e.observe_own_lag(now, lag);
+        exits += drain(&mut e)
+            .iter()
+            .filter(|o| matches!(o, Output::Exit { .. }))
+            .count();
+    }
+    // 10 s of lag with max_lag_exit = 9 s: exit requested from 9 s on.
+    assert!(exits >= 1);
+    assert_eq!(e.role(), Role::Passive);
+}
+
+#[test]
+fn leave_announces_leaving_once_and_ignores_further_input() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    drain(&mut e);
+    let t = t0 + Duration::from_millis(1100);
+    e.leave(t);
+    e.leave(t);
+    e.step(t, heard(id(2)));
+    e.tick(t + Duration::from_secs(5));
+    let out = drain(&mut e);
+    assert_eq!(
+        sends(&out),
+        vec![Announce {
+            active: false,
+            leaving: true,
+            probe: false
+        }]
+    );
+    assert_eq!(role_changes(&out), vec![(Role::Passive, Reason::Leaving)]);
+    assert!(!e.check_lease(t));
+}
+
+#[test]
+fn lowest_compares_uuid_bytes_like_hyphenated_strings() {
+    let a: Uuid = "0fffffff-ffff-4fff-bfff-ffffffffffff".parse().expect("uuid");
+    let b: Uuid = "a0000000-0000-4000-8000-000000000000".parse().expect("uuid");
+    assert!(a < b);
+    assert!(a.to_string() < b.to_string());
+    let t0 = Instant::now();
+    let mut e = Election::new(b, timing(), t0);
+    e.step(t0, heard(a));
+    e.tick(t0 + Duration::from_secs(1));
+    assert_eq!(e.lowest(), a);
+    assert_eq!(e.role(), Role::Passive);
+}
+
+/// Three nodes exchanging every announcement: exactly one active once settled, and
+/// always the lowest, whatever the start order.
+#[test]
+fn three_nodes_converge_on_the_lowest() {
+    for order in [[1u8, 2, 3], [3, 2, 1], [2, 3, 1]] {
+        let t0 = Instant::now();
+        let mut nodes: Vec<Election> = order
+            .iter()
+            .enumerate()
+            .map(|(i, n)| Election::new(id(*n), timing(), t0 + 100 * MS * i as u32))
+            .collect();
+        let mut now = t0;
+        while now < t0 + Duration::from_secs(3) {
+            now += 50 * MS;
+            deliver_all(&mut nodes, now);
+            nodes.iter_mut().for_each(|n| n.tick(now));
+        }
+        let active: Vec<Uuid> = nodes
+            .iter()
+            .filter(|n| n.role() == Role::Active)
+            .map(|n| n.id())
+            .collect();
+        assert_eq!(active, vec![id(1)], "start order {order:?}");
+    }
+}
+
+/// Route every pending announcement to every node (the topic exchange fan-out).
+fn deliver_all(nodes: &mut [Election], now: Instant) {
+    let mut wire = Vec::new();
+    for n in nodes.iter_mut() {
+        while let Some(o) = n.poll_output() {
+            if let Output::Send(a) = o {
+                wire.push(Heard {
+                    from: n.id(),
+                    active: a.active,
+                    leaving: a.leaving,
+                    probe: a.probe,
+                });
+            }
+        }
+    }
+    for h in wire {
+        nodes.iter_mut().for_each(|n| n.step(now, h));
+    }
+}

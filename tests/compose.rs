@@ -1,0 +1,287 @@
+//! Static checks of the container setup: `docker-compose.yml` and the
+//! `Dockerfile` against each other and against `config/default.toml`.
+//!
+//! Does not use the timeoutd crate; only `serde_yaml` and std.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use serde_yaml::Value;
+
+const REPLICAS: [&str; 3] = ["timeoutd-1", "timeoutd-2", "timeoutd-3"];
+const INFRA: [&str; 2] = ["rabbitmq", "postgres"];
+const REQUIRED_ENV: [&str; 4] = [
+    "TIMEOUTD__AMQP__URL",
+    "TIMEOUTD__POSTGRES__URL",
+    "TIMEOUTD__ELECTION__GROUP",
+    "TIMEOUTD__HTTP__LISTEN",
+];
+const ENV_PREFIX: &str = "TIMEOUTD__";
+
+// ---------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------
+
+fn read(relative: &str) -> String {
+    let path: PathBuf = [env!("CARGO_MANIFEST_DIR"), relative].iter().collect();
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
+}
+
+/// docker-compose.yml as a YAML value, with `<<: *anchor` merge keys applied.
+fn compose() -> Value {
+    let mut value: Value = serde_yaml::from_str(&read("docker-compose.yml"))
+        .expect("docker-compose.yml is not valid YAML");
+    value
+        .apply_merge()
+        .expect("docker-compose.yml: merge keys cannot be applied");
+    value
+}
+
+fn service<'a>(compose: &'a Value, name: &str) -> &'a Value {
+    compose
+        .get("services")
+        .and_then(|services| services.get(name))
+        .unwrap_or_else(|| panic!("docker-compose.yml: service {name:?} is missing"))
+}
+
+/// Names of a service's environment variables; `environment` may be a
+/// mapping (`KEY: value`) or a list (`- KEY=value`).
+fn env_keys(service: &Value) -> BTreeSet<String> {
+    match service.get("environment") {
+        Some(Value::Mapping(map)) => map
+            .keys()
+            .filter_map(Value::as_str)
+            .map(str::to_owned)
+            .collect(),
+        Some(Value::Sequence(list)) => list
+            .iter()
+            .filter_map(Value::as_str)
+            .map(|item| item.split('=').next().unwrap_or(item).to_owned())
+            .collect(),
+        _ => BTreeSet::new(),
+    }
+}
+
+/// `TIMEOUTD__SECTION__KEY` → `("section", "key")`.
+fn config_key_of_env(name: &str) -> Option<(String, String)> {
+    let rest = name.strip_prefix(ENV_PREFIX)?;
+    let (section, key) = rest.split_once("__")?;
+    Some((section.to_lowercase(), key.to_lowercase()))
+}
+
+fn unquote(s: &str) -> &str {
+    s.trim().trim_matches('"').trim_matches('\'')
+}
+
+/// `(section, key)` pairs of config/default.toml, by scanning its lines.
+fn default_toml_keys() -> BTreeSet<(String, String)> {
+    let mut keys = BTreeSet::new();
+    let mut section = String::new();
+    for line in read("config/default.toml").lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = unquote(name).to_owned();
+        } else if let Some((key, _value)) = line.split_once('=') {
+            keys.insert((section.clone(), unquote(key).to_owned()));
+        }
+    }
+    keys
+}
+
+/// Dockerfile instructions as `(INSTRUCTION, arguments)`, with `\`
+/// continuation lines joined and comments dropped.
+fn dockerfile_instructions() -> Vec<(String, String)> {
+    let mut logical = Vec::new();
+    let mut current = String::new();
+    for line in read("Dockerfile").lines() {
+        let trimmed = line.trim();
+        if trimmed.starts_with('#') {
+            continue;
+        }
+        match trimmed.strip_suffix('\\') {
+            Some(part) => current.push_str(part),
+            None => {
+                current.push_str(trimmed);
+                logical.push(std::mem::take(&mut current));
+            }
+        }
+    }
+    logical
+        .iter()
+        .filter_map(|l| l.trim().split_once(char::is_whitespace))
+        .map(|(instr, args)| (instr.to_uppercase(), args.trim().to_owned()))
+        .collect()
+}
+
+/// Variable names set by the Dockerfile's `ENV` instructions.
+fn dockerfile_env_keys() -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    for (_, args) in dockerfile_instructions().iter().filter(|(i, _)| i == "ENV") {
+        match args.split_once(char::is_whitespace) {
+            // Legacy form `ENV KEY value`.
+            Some((first, _)) if !first.contains('=') => {
+                keys.insert(first.to_owned());
+            }
+            _ => keys.extend(
+                args.split_whitespace()
+                    .filter_map(|t| t.split_once('='))
+                    .map(|(k, _)| k.to_owned()),
+            ),
+        }
+    }
+    keys
+}
+
+// ---------------------------------------------------------------------------
+// docker-compose.yml
+// ---------------------------------------------------------------------------
+
+#[test]
+fn compose_defines_infra_and_three_replicas() {
+    let compose = compose();
+    for name in INFRA.iter().chain(REPLICAS.iter()) {
+        service(&compose, name);
+    }
+}
+
+#[test]
+fn replicas_have_required_environment() {
+    let compose = compose();
+    for name in REPLICAS {
+        let keys = env_keys(service(&compose, name));
+        for required in REQUIRED_ENV {
+            assert!(
+                keys.contains(required),
+                "{name}: environment lacks {required} (has {keys:?})"
+            );
+        }
+    }
+}
+
+#[test]
+fn replicas_wait_for_healthy_infra() {
+    let compose = compose();
+    for name in REPLICAS {
+        let depends_on = service(&compose, name)
+            .get("depends_on")
+            .unwrap_or_else(|| panic!("{name}: no depends_on"));
+        for infra in INFRA {
+            let condition = depends_on
+                .get(infra)
+                .and_then(|d| d.get("condition"))
+                .and_then(Value::as_str);
+            assert_eq!(
+                condition,
+                Some("service_healthy"),
+                "{name}: depends_on.{infra}.condition"
+            );
+        }
+    }
+}
+
+#[test]
+fn replicas_publish_distinct_host_ports() {
+    let compose = compose();
+    let mut seen = BTreeSet::new();
+    for name in REPLICAS {
+        let ports = service(&compose, name)
+            .get("ports")
+            .and_then(Value::as_sequence);
+        let ports = ports.unwrap_or_else(|| panic!("{name}: no ports list"));
+        for port in ports.iter().filter_map(Value::as_str) {
+            assert!(
+                seen.insert(port.to_owned()),
+                "{name}: host port mapping {port:?} used twice"
+            );
+        }
+    }
+    assert!(
+        seen.len() >= REPLICAS.len(),
+        "every replica publishes a port: {seen:?}"
+    );
+}
+
+#[test]
+fn rabbitmq_image_has_management_plugin() {
+    let compose = compose();
+    let image = service(&compose, "rabbitmq")
+        .get("image")
+        .and_then(Value::as_str);
+    let image = image.expect("rabbitmq: no image");
+    assert!(
+        image.contains("management"),
+        "rabbitmq image {image:?} lacks the management plugin"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Environment variables name real configuration keys
+// ---------------------------------------------------------------------------
+
+fn assert_names_config_key(origin: &str, env: &str, known: &BTreeSet<(String, String)>) {
+    let key = config_key_of_env(env)
+        .unwrap_or_else(|| panic!("{origin}: {env} is not of the form TIMEOUTD__SECTION__KEY"));
+    assert!(
+        known.contains(&key),
+        "{origin}: {env} names {}.{}, which config/default.toml does not define",
+        key.0,
+        key.1
+    );
+}
+
+#[test]
+fn compose_env_vars_name_config_keys() {
+    let known = default_toml_keys();
+    let compose = compose();
+    for name in REPLICAS {
+        let keys = env_keys(service(&compose, name));
+        for env in keys.iter().filter(|k| k.starts_with(ENV_PREFIX)) {
+            assert_names_config_key(name, env, &known);
+        }
+    }
+}
+
+#[test]
+fn dockerfile_env_vars_name_config_keys() {
+    let known = default_toml_keys();
+    for env in dockerfile_env_keys()
+        .iter()
+        .filter(|k| k.starts_with(ENV_PREFIX))
+    {
+        assert_names_config_key("Dockerfile", env, &known);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Dockerfile
+// ---------------------------------------------------------------------------
+
+#[test]
+fn dockerfile_is_multi_stage() {
+    let froms = dockerfile_instructions()
+        .iter()
+        .filter(|(i, _)| i == "FROM")
+        .count();
+    assert!(
+        froms >= 2,
+        "Dockerfile has {froms} FROM line(s); expected a multi-stage build"
+    );
+}
+
+#[test]
+fn dockerfile_runs_as_non_root() {
+    let instructions = dockerfile_instructions();
+    let user = instructions
+        .iter()
+        .rev()
+        .find(|(i, _)| i == "USER")
+        .map(|(_, args)| args.as_str());
+    let user = user.expect("Dockerfile has no USER line");
+    let name = user.split(':').next().unwrap_or(user).trim();
+    assert!(
+        !matches!(name, "root" | "0" | ""),
+        "Dockerfile runs as root (USER {user})"
+    );
+}
