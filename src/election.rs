@@ -92,6 +92,8 @@ pub enum Reason {
     Paused(Duration),
     /// Own announcements arrive this late.
     Lagging(Duration),
+    /// The connection to the broker was lost.
+    BusLost,
     /// The node is shutting down.
     Leaving,
 }
@@ -103,6 +105,7 @@ impl fmt::Display for Reason {
             Reason::LowerMember(id) => write!(f, "lower member {id} is live"),
             Reason::Paused(gap) => write!(f, "paused for {gap:?}, view is stale"),
             Reason::Lagging(lag) => write!(f, "own announcements arrive {lag:?} late"),
+            Reason::BusLost => f.write_str("lost the broker connection"),
             Reason::Leaving => f.write_str("shutting down"),
         }
     }
@@ -310,6 +313,14 @@ impl Election {
         self.role == Role::Active
     }
 
+    /// The connection to the broker is gone (a node that cannot announce must not hold
+    /// the role): passive at once; after reconnecting it probes and settles again.
+    pub fn bus_lost(&mut self, now: Instant) {
+        if self.phase != Phase::Leaving {
+            self.restart(now, Reason::BusLost);
+        }
+    }
+
     /// Shut down: go passive and announce `leaving` once. Further input is ignored.
     pub fn leave(&mut self, now: Instant) {
         if self.phase == Phase::Leaving {
@@ -317,6 +328,7 @@ impl Election {
         }
         self.set_role(Role::Passive, Reason::Leaving);
         self.phase = Phase::Leaving;
+        self.last_tick = now;
         // The leaving announcement says it all; drop the ordinary one set_role queued.
         self.outputs.retain(|o| !matches!(o, Output::Send(_)));
         self.outputs.push_back(Output::Send(Announce {
@@ -340,10 +352,16 @@ impl Election {
         if gap <= self.timing.member_ttl {
             return false;
         }
-        self.set_role(Role::Passive, Reason::Paused(gap));
-        self.members.clear();
-        self.start_settling(now);
+        self.restart(now, Reason::Paused(gap));
         true
+    }
+
+    /// Drop the role and the view, probe and settle again.
+    fn restart(&mut self, now: Instant, reason: Reason) {
+        self.set_role(Role::Passive, reason);
+        self.members.clear();
+        self.lagging_since = None;
+        self.start_settling(now);
     }
 
     /// Keep the members heard within `member_ttl` (the published version inverted this).

@@ -544,3 +544,19 @@ fn deliver_all(nodes: &mut [Election], now: Instant) {
         nodes.iter_mut().for_each(|n| n.step(now, h));
     }
 }
+
+#[test]
+fn losing_the_bus_drops_the_role_at_once_and_settles_again() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    drain(&mut e);
+    let t = t0 + Duration::from_millis(1100);
+    e.bus_lost(t);
+    assert_eq!(e.role(), Role::Passive);
+    assert!(!e.is_settled());
+    let out = drain(&mut e);
+    assert_eq!(role_changes(&out), vec![(Role::Passive, Reason::BusLost)]);
+    assert!(sends(&out).iter().all(|a| a.probe && !a.active));
+    e.tick(t + Duration::from_secs(1));
+    assert_eq!(e.role(), Role::Active);
+}

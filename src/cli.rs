@@ -1,0 +1,86 @@
+//! The command line (clap derive): the commands of the contract and their flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "timeoutd", version, about = "Fires TimeOut messages for a process manager's overdue expectations")]
+pub struct Cli {
+    /// Configuration file (TOML), layered over the built-in defaults and under the
+    /// TIMEOUTD__SECTION__KEY environment variables.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Join the group and fire TimeOuts while active, until SIGTERM/SIGINT.
+    Run,
+    /// Create the schema and apply the embedded migrations, then exit.
+    Migrate,
+    /// Validate the configuration and print it with secrets redacted.
+    CheckConfig,
+    /// Register one expectation (for trying things out and for scripts).
+    Expect(ExpectArgs),
+    /// Watch the group: who is there, who is active, last seen, announcement lag.
+    Members(MembersArgs),
+    /// Count and peek at expectations (never changes them).
+    Pending(PendingArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ExpectArgs {
+    #[arg(long)]
+    pub process_id: String,
+    #[arg(long)]
+    pub message_type: String,
+    #[arg(long)]
+    pub routing_key: String,
+    /// Exchange the TimeOut goes to ("" = the default exchange).
+    #[arg(long, default_value = "")]
+    pub exchange: String,
+    /// Deadline relative to now, e.g. 5s, 2m.
+    #[arg(long = "in", value_parser = humantime::parse_duration, conflicts_with = "at")]
+    pub in_: Option<Duration>,
+    /// Absolute deadline, RFC 3339.
+    #[arg(long)]
+    pub at: Option<DateTime<Utc>>,
+    /// JSON context echoed back in the TimeOut.
+    #[arg(long, value_parser = parse_json)]
+    pub payload: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Args)]
+pub struct MembersArgs {
+    /// Print one snapshot and exit.
+    #[arg(long)]
+    pub once: bool,
+    /// JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct PendingArgs {
+    /// List the pending rows, earliest deadline first.
+    #[arg(long, conflicts_with = "failing")]
+    pub list: bool,
+    /// List the rows whose publish failed (attempts > 0), with their last error.
+    #[arg(long)]
+    pub failing: bool,
+    /// JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// At most this many rows with --list/--failing.
+    #[arg(long, default_value_t = 100)]
+    pub limit: i64,
+}
+
+fn parse_json(s: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(s).map_err(|e| format!("not valid JSON: {e}"))
+}

@@ -1,0 +1,130 @@
+//! `timeoutd members`: watch the group from the outside.
+//!
+//! The watcher is not a member: it sends a probe that also says `leaving`, so members
+//! answer at once (probe) and nobody adds it to their view (leaving).
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::Utc;
+use futures_util::StreamExt;
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::announcement::Announcement;
+use crate::bus::Bus;
+use crate::cli::MembersArgs;
+use crate::config::Settings;
+
+#[derive(Debug, Clone, Serialize)]
+struct Seen {
+    node_id: Uuid,
+    active: bool,
+    probing: bool,
+    lowest: bool,
+    last_seen_ms: u128,
+    /// Receive time minus the sender's `sent_at`: transit time plus clock skew.
+    lag_ms: i64,
+}
+
+pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<ExitCode> {
+    let group = &settings.election.group;
+    let (bus, mut consumer) = Bus::connect(&settings.amqp, group, "timeoutd members")
+        .await
+        .context("connecting to RabbitMQ")?;
+    let me = Uuid::new_v4();
+    let probe = Announcement {
+        node_id: me,
+        group: group.clone(),
+        sent_at: Utc::now(),
+        active: false,
+        leaving: true,
+        probe: true,
+    };
+    bus.announce(&probe, settings.election.member_ttl).await?;
+    let ttl = settings.election.member_ttl;
+    let refresh = settings.election.announce_interval;
+    let mut seen: BTreeMap<Uuid, (Instant, Announcement, i64)> = BTreeMap::new();
+    let mut next_print = Instant::now() + refresh.mul_f32(1.5);
+    loop {
+        let wait = next_print.saturating_duration_since(Instant::now());
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break,
+            _ = tokio::time::sleep(wait) => {
+                print(&view(&seen, ttl), args.json)?;
+                if args.once { break }
+                next_print = Instant::now() + refresh;
+            }
+            d = consumer.next() => match d {
+                Some(Ok(d)) => record(&mut seen, &d, group, me),
+                Some(Err(e)) => anyhow::bail!("consumer failed: {e}"),
+                None => anyhow::bail!("consumer cancelled"),
+            },
+        }
+    }
+    bus.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn record(
+    seen: &mut BTreeMap<Uuid, (Instant, Announcement, i64)>,
+    d: &lapin::message::Delivery,
+    group: &str,
+    me: Uuid,
+) {
+    let kind = d.properties.kind().as_ref().map(|k| k.as_str());
+    let Ok(a) = Announcement::decode(kind, &d.data, group) else {
+        return;
+    };
+    if a.node_id == me {
+        return;
+    }
+    if a.leaving {
+        seen.remove(&a.node_id);
+        return;
+    }
+    let lag = (Utc::now() - a.sent_at).num_milliseconds();
+    seen.insert(a.node_id, (Instant::now(), a, lag));
+}
+
+fn view(seen: &BTreeMap<Uuid, (Instant, Announcement, i64)>, ttl: Duration) -> Vec<Seen> {
+    let live: Vec<_> = seen
+        .values()
+        .filter(|(at, _, _)| at.elapsed() <= ttl)
+        .collect();
+    let lowest = live.iter().filter(|(_, a, _)| !a.probe).map(|(_, a, _)| a.node_id).min();
+    live.iter()
+        .map(|(at, a, lag)| Seen {
+            node_id: a.node_id,
+            active: a.active,
+            probing: a.probe,
+            lowest: Some(a.node_id) == lowest,
+            last_seen_ms: at.elapsed().as_millis(),
+            lag_ms: *lag,
+        })
+        .collect()
+}
+
+fn print(members: &[Seen], json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(members)?);
+        return Ok(());
+    }
+    println!("{:<38} {:<8} {:>10} {:>8}", "NODE", "ROLE", "LAST SEEN", "LAG");
+    for m in members {
+        let role = match (m.active, m.probing) {
+            (_, true) => "joining",
+            (true, _) => "active",
+            _ => "passive",
+        };
+        let mark = if m.lowest { "*" } else { " " };
+        println!(
+            "{}{:<37} {:<8} {:>8}ms {:>6}ms",
+            mark, m.node_id, role, m.last_seen_ms, m.lag_ms
+        );
+    }
+    println!("({} members; * = lowest id)\n", members.len());
+    Ok(())
+}

@@ -1,0 +1,101 @@
+//! One function per command of the contract; `main` only parses and dispatches.
+
+mod members;
+mod pending;
+mod run;
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+
+use crate::cli::{Cli, Command, ExpectArgs};
+use crate::client::{self, Expectation};
+use crate::config::{ConfigError, Settings};
+use crate::store::Store;
+use crate::telemetry;
+
+/// Exit code of a refused configuration.
+pub const EXIT_CONFIG: u8 = 2;
+/// Exit code when the node lagged for too long and wants to be restarted.
+pub const EXIT_LAGGING: u8 = 3;
+
+pub async fn dispatch(cli: Cli) -> ExitCode {
+    let settings = match Settings::load(cli.config.as_deref()) {
+        Ok(s) => s,
+        Err(e) => return config_error(&e),
+    };
+    telemetry::init(settings.log.format);
+    let result = match cli.command {
+        Command::Run => run::run(settings).await,
+        Command::Migrate => migrate(&settings).await,
+        Command::CheckConfig => check_config(&settings),
+        Command::Expect(args) => expect(&settings, args).await,
+        Command::Members(args) => members::members(&settings, args).await,
+        Command::Pending(args) => pending::pending(&settings, args).await,
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn config_error(e: &ConfigError) -> ExitCode {
+    eprintln!("error: {e}");
+    ExitCode::from(EXIT_CONFIG)
+}
+
+async fn migrate(settings: &Settings) -> anyhow::Result<ExitCode> {
+    let store = Store::connect(&settings.postgres)?;
+    store.migrate().await.context("applying migrations")?;
+    println!("migrations applied to schema {}", store.schema());
+    store.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn check_config(settings: &Settings) -> anyhow::Result<ExitCode> {
+    let shown = toml_string(&settings.redacted())?;
+    println!("# configuration is valid\n{shown}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn toml_string(settings: &Settings) -> anyhow::Result<String> {
+    let value = serde_json::to_value(settings)?;
+    let mut out = String::new();
+    if let serde_json::Value::Object(sections) = value {
+        for (section, keys) in sections {
+            out.push_str(&format!("\n[{section}]\n"));
+            if let serde_json::Value::Object(keys) = keys {
+                for (k, v) in keys {
+                    out.push_str(&format!("{k} = {v}\n"));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn expect(settings: &Settings, args: ExpectArgs) -> anyhow::Result<ExitCode> {
+    let mut e = Expectation::new(&args.process_id, &args.message_type, &args.routing_key)
+        .exchange(&args.exchange);
+    if let Some(at) = args.at {
+        e = e.due_at(at);
+    } else if let Some(after) = args.in_ {
+        e = e.due_in(after);
+    }
+    if let Some(p) = args.payload {
+        e = e.payload(p);
+    }
+    let store = Store::connect(&settings.postgres)?;
+    let mut conn = store.pool().acquire().await.context("connecting to Postgres")?;
+    let id = client::expect(&mut conn, store.schema(), &e)
+        .await
+        .context("inserting the expectation (has `timeoutd migrate` run?)")?;
+    println!("{id} due at {}", e.timeout_at.to_rfc3339());
+    drop(conn);
+    store.close().await;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,370 @@
+//! Settings: built-in defaults (config/default.toml), an optional file, then
+//! `TIMEOUTD__SECTION__KEY` environment variables; validation and redaction.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::election::Timing;
+
+/// The defaults shipped with the binary; the same file documents every key.
+pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+
+/// A refused configuration: which key and why. Exit code 2.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid configuration: {key}: {reason}")]
+    Invalid { key: String, reason: String },
+    #[error("invalid configuration: {0}")]
+    Load(#[from] config::ConfigError),
+}
+
+impl ConfigError {
+    fn invalid(key: &str, reason: impl Into<String>) -> Self {
+        Self::Invalid {
+            key: key.to_owned(),
+            reason: reason.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub amqp: Amqp,
+    pub postgres: Postgres,
+    pub election: Election,
+    pub scan: Scan,
+    pub http: Http,
+    pub log: Log,
+    pub backoff: Backoff,
+    pub shutdown: Shutdown,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Backoff {
+    #[serde(with = "humantime_serde")]
+    pub min: Duration,
+    #[serde(with = "humantime_serde")]
+    pub max: Duration,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Amqp {
+    pub url: String,
+    pub announce_exchange: String,
+    #[serde(deserialize_with = "optional_path")]
+    pub ca_file: Option<PathBuf>,
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    pub confirm_timeout: Duration,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Postgres {
+    pub url: String,
+    pub schema: String,
+    pub migrate_on_start: bool,
+    #[serde(deserialize_with = "optional_path")]
+    pub ca_file: Option<PathBuf>,
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    pub statement_timeout: Duration,
+    pub max_connections: u32,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Election {
+    pub group: String,
+    #[serde(with = "humantime_serde")]
+    pub tick: Duration,
+    #[serde(with = "humantime_serde")]
+    pub announce_interval: Duration,
+    #[serde(with = "humantime_serde")]
+    pub member_ttl: Duration,
+    #[serde(deserialize_with = "optional_duration", serialize_with = "ser_opt_dur")]
+    pub max_lag: Option<Duration>,
+    #[serde(deserialize_with = "optional_duration", serialize_with = "ser_opt_dur")]
+    pub max_lag_exit: Option<Duration>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Scan {
+    pub batch_size: u32,
+    #[serde(with = "humantime_serde")]
+    pub retry_min: Duration,
+    #[serde(with = "humantime_serde")]
+    pub retry_max: Duration,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Http {
+    pub listen: String,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Log {
+    pub format: LogFormat,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Shutdown {
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+/// `""` means "not set" for optional durations, so the default file can list the key.
+fn optional_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let s = String::deserialize(d)?;
+    if s.trim().is_empty() {
+        return Ok(None);
+    }
+    humantime::parse_duration(s.trim())
+        .map(Some)
+        .map_err(serde::de::Error::custom)
+}
+
+fn ser_opt_dur<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
+        None => s.serialize_str(""),
+    }
+}
+
+fn optional_path<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
+    let s = String::deserialize(d)?;
+    Ok((!s.trim().is_empty()).then(|| PathBuf::from(s.trim())))
+}
+
+impl Settings {
+    /// Defaults, then `file`, then the process environment.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_from(file, std::env::vars())
+    }
+
+    /// As [`Settings::load`] with an explicit environment (tests).
+    pub fn load_from(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let env: config::Map<String, String> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("TIMEOUTD__"))
+            .collect();
+        let mut builder = config::Config::builder().add_source(config::File::from_str(
+            DEFAULT_TOML,
+            config::FileFormat::Toml,
+        ));
+        if let Some(path) = file {
+            builder = builder.add_source(config::File::from(path).required(true));
+        }
+        let settings: Settings = builder
+            .add_source(
+                config::Environment::with_prefix("TIMEOUTD")
+                    .prefix_separator("__")
+                    .separator("__")
+                    .source(Some(env)),
+            )
+            .build()?
+            .try_deserialize()?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Every rule a value must meet, each refusal naming its key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_url(
+            "amqp.url",
+            &self.amqp.url,
+            &["amqp", "amqps"],
+        )?;
+        check_url(
+            "postgres.url",
+            &self.postgres.url,
+            &["postgres", "postgresql"],
+        )?;
+        check_name("amqp.announce_exchange", &self.amqp.announce_exchange)?;
+        check_identifier("postgres.schema", &self.postgres.schema)?;
+        check_name("election.group", &self.election.group)?;
+        if self.election.group.contains(['*', '#', '.']) {
+            return Err(ConfigError::invalid(
+                "election.group",
+                "must not contain '.', '*' or '#' (it is a topic routing key)",
+            ));
+        }
+        self.validate_durations()?;
+        check_range("scan.batch_size", self.scan.batch_size, 1, 10_000)?;
+        check_range("postgres.max_connections", self.postgres.max_connections, 1, 100)?;
+        self.http_listen()?;
+        Ok(())
+    }
+
+    fn validate_durations(&self) -> Result<(), ConfigError> {
+        let e = &self.election;
+        for (key, d) in [
+            ("election.tick", e.tick),
+            ("election.announce_interval", e.announce_interval),
+            ("election.member_ttl", e.member_ttl),
+            ("amqp.connect_timeout", self.amqp.connect_timeout),
+            ("amqp.confirm_timeout", self.amqp.confirm_timeout),
+            ("backoff.min", self.backoff.min),
+            ("postgres.connect_timeout", self.postgres.connect_timeout),
+            ("postgres.statement_timeout", self.postgres.statement_timeout),
+            ("scan.retry_min", self.scan.retry_min),
+            ("shutdown.timeout", self.shutdown.timeout),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError::invalid(key, "must be greater than 0"));
+            }
+        }
+        let order = [
+            ("election.tick", e.tick, "election.announce_interval", e.announce_interval),
+            (
+                "election.announce_interval",
+                e.announce_interval,
+                "election.member_ttl",
+                e.member_ttl,
+            ),
+            ("backoff.min", self.backoff.min, "backoff.max", self.backoff.max),
+            ("scan.retry_min", self.scan.retry_min, "scan.retry_max", self.scan.retry_max),
+        ];
+        for (key, small, other, big) in order {
+            if small > big || (key.starts_with("election") && small == big) {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("must be less than {other} ({small:?} vs {big:?})"),
+                ));
+            }
+        }
+        let timing = self.timing();
+        if timing.max_lag.is_zero() || timing.max_lag >= timing.member_ttl {
+            return Err(ConfigError::invalid(
+                "election.max_lag",
+                "must be greater than 0 and less than election.member_ttl",
+            ));
+        }
+        if timing.max_lag_exit <= timing.max_lag {
+            return Err(ConfigError::invalid(
+                "election.max_lag_exit",
+                "must be greater than election.max_lag",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn timing(&self) -> Timing {
+        let e = &self.election;
+        let mut t = Timing::new(e.announce_interval, e.member_ttl);
+        t.max_lag = e.max_lag.unwrap_or(t.max_lag);
+        t.max_lag_exit = e.max_lag_exit.unwrap_or(t.max_lag_exit);
+        t
+    }
+
+    pub fn http_listen(&self) -> Result<SocketAddr, ConfigError> {
+        self.http
+            .listen
+            .parse()
+            .map_err(|e| ConfigError::invalid("http.listen", format!("not a host:port ({e})")))
+    }
+
+    /// The settings with every password replaced, fit for logs and `check-config`.
+    pub fn redacted(&self) -> Settings {
+        let mut s = self.clone();
+        s.amqp.url = redact_url(&s.amqp.url);
+        s.postgres.url = redact_url(&s.postgres.url);
+        s
+    }
+}
+
+/// Replace the password of a URL (and a `password=` query parameter) with `***`.
+pub fn redact_url(raw: &str) -> String {
+    let Ok(mut url) = url::Url::parse(raw) else {
+        return "<unparseable url>".to_owned();
+    };
+    if url.password().is_some() {
+        let _ = url.set_password(Some("***"));
+    }
+    let pairs: Vec<(String, String)> = url
+        .query_pairs()
+        .map(|(k, v)| {
+            let secret = k.eq_ignore_ascii_case("password");
+            (k.into_owned(), if secret { "***".into() } else { v.into_owned() })
+        })
+        .collect();
+    if !pairs.is_empty() {
+        url.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    url.to_string()
+}
+
+fn check_url(key: &str, raw: &str, schemes: &[&str]) -> Result<(), ConfigError> {
+    let url = url::Url::parse(raw).map_err(|e| {
+        ConfigError::invalid(key, format!("not a URL ({e}): {}", redact_url(raw)))
+    })?;
+    if !schemes.contains(&url.scheme()) {
+        return Err(ConfigError::invalid(
+            key,
+            format!("scheme must be one of {schemes:?}, got {:?}", url.scheme()),
+        ));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(ConfigError::invalid(key, "has no host"));
+    }
+    Ok(())
+}
+
+/// A plain SQL identifier, safe to quote into statements.
+fn check_identifier(key: &str, s: &str) -> Result<(), ConfigError> {
+    let mut chars = s.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !first_ok || !rest_ok || s.len() > 63 {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{s:?} is not a plain identifier ([a-z_][a-z0-9_]*, at most 63 bytes)"),
+        ));
+    }
+    Ok(())
+}
+
+/// A non-empty AMQP short string.
+fn check_name(key: &str, s: &str) -> Result<(), ConfigError> {
+    if s.is_empty() || s.len() > 255 {
+        return Err(ConfigError::invalid(key, "must be 1 to 255 bytes"));
+    }
+    Ok(())
+}
+
+fn check_range(key: &str, v: u32, min: u32, max: u32) -> Result<(), ConfigError> {
+    if !(min..=max).contains(&v) {
+        return Err(ConfigError::invalid(
+            key,
+            format!("must be between {min} and {max}, got {v}"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

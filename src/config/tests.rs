@@ -1,0 +1,110 @@
+use super::*;
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+fn load(pairs: &[(&str, &str)]) -> Result<Settings, ConfigError> {
+    Settings::load_from(None, env(pairs))
+}
+
+#[test]
+fn defaults_match_the_contract() {
+    let s = load(&[]).expect("defaults are valid");
+    assert_eq!(s.amqp.url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+    assert_eq!(s.amqp.announce_exchange, "timeoutd.announcements");
+    assert_eq!(s.postgres.url, "postgres://postgres@127.0.0.1:5432/postgres");
+    assert_eq!(s.postgres.schema, "timeoutd");
+    assert!(s.postgres.migrate_on_start);
+    assert_eq!(s.election.group, "default");
+    assert_eq!(s.election.tick, Duration::from_millis(250));
+    assert_eq!(s.election.announce_interval, Duration::from_secs(1));
+    assert_eq!(s.election.member_ttl, Duration::from_secs(3));
+    assert_eq!(s.scan.batch_size, 500);
+    assert_eq!(s.http.listen, "127.0.0.1:9464");
+    assert_eq!(s.log.format, LogFormat::Text);
+    assert_eq!(s.timing().max_lag, Duration::from_millis(1500));
+}
+
+#[test]
+fn environment_overrides_with_double_underscores() {
+    let s = load(&[
+        ("TIMEOUTD__AMQP__URL", "amqp://u:p@rabbit:5672/%2f"),
+        ("TIMEOUTD__ELECTION__TICK", "100ms"),
+        ("TIMEOUTD__SCAN__BATCH_SIZE", "42"),
+        ("TIMEOUTD__POSTGRES__MIGRATE_ON_START", "false"),
+        ("TIMEOUTD__ELECTION__MAX_LAG", "1s"),
+    ])
+    .expect("valid");
+    assert_eq!(s.amqp.url, "amqp://u:p@rabbit:5672/%2f");
+    assert_eq!(s.election.tick, Duration::from_millis(100));
+    assert_eq!(s.scan.batch_size, 42);
+    assert!(!s.postgres.migrate_on_start);
+    assert_eq!(s.timing().max_lag, Duration::from_secs(1));
+}
+
+#[test]
+fn a_file_overrides_defaults_and_env_overrides_the_file() {
+    let dir = std::env::temp_dir().join(format!("timeoutd-cfg-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let path = dir.join("c.toml");
+    std::fs::write(&path, "[election]\ngroup = \"from-file\"\ntick = \"500ms\"\n").expect("write");
+    let s = Settings::load_from(Some(&path), env(&[("TIMEOUTD__ELECTION__TICK", "200ms")]))
+        .expect("valid");
+    assert_eq!(s.election.group, "from-file");
+    assert_eq!(s.election.tick, Duration::from_millis(200));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Table: (env var, value, key the error must name).
+#[test]
+fn invalid_values_are_refused_naming_the_key() {
+    let cases = [
+        ("TIMEOUTD__AMQP__URL", "http://x", "amqp.url"),
+        ("TIMEOUTD__AMQP__URL", "not a url", "amqp.url"),
+        ("TIMEOUTD__POSTGRES__URL", "mysql://x/db", "postgres.url"),
+        ("TIMEOUTD__POSTGRES__SCHEMA", "x; drop table y", "postgres.schema"),
+        ("TIMEOUTD__POSTGRES__SCHEMA", "Upper", "postgres.schema"),
+        ("TIMEOUTD__ELECTION__GROUP", "", "election.group"),
+        ("TIMEOUTD__ELECTION__GROUP", "a.#", "election.group"),
+        ("TIMEOUTD__ELECTION__TICK", "0s", "election.tick"),
+        ("TIMEOUTD__ELECTION__TICK", "2s", "election.tick"),
+        ("TIMEOUTD__ELECTION__TICK", "soon", "tick"),
+        ("TIMEOUTD__ELECTION__ANNOUNCE_INTERVAL", "3s", "election.announce_interval"),
+        ("TIMEOUTD__ELECTION__MAX_LAG", "5s", "election.max_lag"),
+        ("TIMEOUTD__SCAN__BATCH_SIZE", "0", "scan.batch_size"),
+        ("TIMEOUTD__SCAN__BATCH_SIZE", "many", "batch_size"),
+        ("TIMEOUTD__HTTP__LISTEN", "localhost", "http.listen"),
+        ("TIMEOUTD__LOG__FORMAT", "xml", "format"),
+        ("TIMEOUTD__ELECTION__COLOUR", "blue", "colour"),
+    ];
+    for (var, value, key) in cases {
+        let err = load(&[(var, value)]).expect_err(var).to_string();
+        assert!(err.contains(key), "{var}={value:?}: {err}");
+    }
+}
+
+#[test]
+fn redaction_hides_passwords_and_keeps_the_rest() {
+    let s = load(&[
+        ("TIMEOUTD__AMQP__URL", "amqps://user:s3cret@rabbit:5671/vh"),
+        ("TIMEOUTD__POSTGRES__URL", "postgres://pm:hunter2@db/app?password=x&sslmode=require"),
+    ])
+    .expect("valid");
+    let shown = format!("{:?}", s.redacted());
+    assert!(!shown.contains("s3cret") && !shown.contains("hunter2"), "{shown}");
+    assert!(shown.contains("user:***@rabbit"), "{shown}");
+    assert!(shown.contains("sslmode=require"), "{shown}");
+    assert!(!shown.contains("password=x"), "{shown}");
+}
+
+#[test]
+fn an_invalid_url_error_does_not_echo_the_password() {
+    let err = load(&[("TIMEOUTD__AMQP__URL", "ftp://u:topsecret@h/")])
+        .expect_err("scheme")
+        .to_string();
+    assert!(!err.contains("topsecret"), "{err}");
+}

@@ -1,0 +1,521 @@
+//! Wires the election, the bus, the store and the scan together: supervision of the broker
+//! connection, the announcement loop, the scan loop, and graceful shutdown.
+//!
+//! Two tasks share the election behind a std mutex (held for microseconds, never across
+//! an await): the node loop feeds it ticks and announcements and carries out its
+//! outputs; the scan loop asks it for the lease right before publishing and committing.
+
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
+use lapin::Consumer;
+use lapin::message::Delivery;
+use serde::Serialize;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::announcement::Announcement;
+use crate::backoff::Backoff;
+use crate::bus::Bus;
+use crate::config::Settings;
+use crate::election::{Election, Output, Role};
+use crate::scan::{BatchOutcome, Scanner};
+use crate::store::Store;
+use crate::telemetry::LogLimiter;
+
+/// How the daemon ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Stopped on request (SIGTERM/SIGINT or `Handle::stop`).
+    Stopped,
+    /// Its own announcements lagged past `election.max_lag_exit`: restart it.
+    Lagging,
+}
+
+/// A member as `/status` and `members` show it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct MemberStatus {
+    pub node_id: Uuid,
+    pub last_seen_ms: u128,
+    pub active: bool,
+    pub probing: bool,
+}
+
+/// The last scan batch that locked rows.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ScanStatus {
+    pub at: DateTime<Utc>,
+    pub duration_ms: f64,
+    pub fired: usize,
+    pub failed: usize,
+}
+
+/// What the node knows about itself, for `/status`, readiness and tests.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Snapshot {
+    pub node_id: Uuid,
+    pub group: String,
+    pub role: Role,
+    pub settled: bool,
+    pub lowest: Uuid,
+    pub members: Vec<MemberStatus>,
+    pub bus_connected: bool,
+    pub database_ok: Option<bool>,
+    pub last_scan: Option<ScanStatus>,
+    pub fired_total: u64,
+}
+
+/// A running daemon.
+pub struct Handle {
+    pub node_id: Uuid,
+    pub role: watch::Receiver<Role>,
+    pub status: Arc<RwLock<Snapshot>>,
+    shutdown: CancellationToken,
+    join: JoinHandle<Exit>,
+}
+
+impl Handle {
+    /// Ask for a graceful stop and wait for it.
+    pub async fn stop(self) -> Exit {
+        self.shutdown.cancel();
+        self.join.await.unwrap_or(Exit::Stopped)
+    }
+
+    /// Wait until the daemon ends by itself (lag exit) or is stopped through the token.
+    pub async fn wait(self) -> Exit {
+        self.join.await.unwrap_or(Exit::Stopped)
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        read(&self.status)
+    }
+}
+
+fn read(status: &RwLock<Snapshot>) -> Snapshot {
+    status.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Everything both loops share.
+struct Shared {
+    settings: Settings,
+    node_id: Uuid,
+    election: Mutex<Election>,
+    role: watch::Sender<Role>,
+    bus: watch::Sender<Option<Arc<Bus>>>,
+    status: Arc<RwLock<Snapshot>>,
+    store: Store,
+    stop: CancellationToken,
+}
+
+impl Shared {
+    fn election(&self) -> MutexGuard<'_, Election> {
+        // The election has no invariant a panicking holder could break half-way.
+        self.election.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn update_status(&self, f: impl FnOnce(&mut Snapshot)) {
+        let mut s = self.status.write().unwrap_or_else(|e| e.into_inner());
+        f(&mut s);
+    }
+
+    /// Re-check the lease right before acting (see `Election::check_lease`).
+    fn lease(&self) -> bool {
+        self.election().check_lease(Instant::now())
+    }
+}
+
+/// Start a daemon: migrate (if configured, retrying while the database is down), then
+/// run the node and scan loops until `shutdown` is cancelled.
+pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<Handle> {
+    let node_id = Uuid::new_v4();
+    let store = Store::connect(&settings.postgres)?;
+    let timing = settings.timing();
+    let election = Election::new(node_id, timing, Instant::now());
+    let (role_tx, role_rx) = watch::channel(Role::Passive);
+    let (bus_tx, _) = watch::channel(None);
+    let status = Arc::new(RwLock::new(Snapshot {
+        node_id,
+        group: settings.election.group.clone(),
+        role: Role::Passive,
+        settled: false,
+        lowest: node_id,
+        members: Vec::new(),
+        bus_connected: false,
+        database_ok: None,
+        last_scan: None,
+        fired_total: 0,
+    }));
+    let stop = shutdown.child_token();
+    let shared = Arc::new(Shared {
+        settings,
+        node_id,
+        election: Mutex::new(election),
+        role: role_tx,
+        bus: bus_tx,
+        status: status.clone(),
+        store,
+        stop: stop.clone(),
+    });
+    tracing::info!(node_id = %node_id, group = %shared.settings.election.group, "starting");
+    let join = tokio::spawn(run(shared));
+    Ok(Handle {
+        node_id,
+        role: role_rx,
+        status,
+        shutdown: stop,
+        join,
+    })
+}
+
+async fn run(shared: Arc<Shared>) -> Exit {
+    if shared.settings.postgres.migrate_on_start && !migrate(&shared).await {
+        return Exit::Stopped;
+    }
+    let scanner = tokio::spawn(scan_loop(shared.clone()));
+    let (exit, bus) = NodeLoop::new(shared.clone()).run().await;
+    shared.stop.cancel();
+    let limit = shared.settings.shutdown.timeout;
+    if tokio::time::timeout(limit, scanner).await.is_err() {
+        tracing::error!(?limit, "scan did not stop in time; its transaction is rolled back");
+    }
+    if let Some(bus) = bus {
+        bus.close().await;
+    }
+    shared.store.close().await;
+    tracing::info!(node_id = %shared.node_id, ?exit, "stopped");
+    exit
+}
+
+/// Apply the migrations, retrying with backoff while the database is unreachable.
+async fn migrate(shared: &Shared) -> bool {
+    let mut backoff = Backoff::new(shared.settings.backoff.min, shared.settings.backoff.max);
+    loop {
+        match shared.store.migrate().await {
+            Ok(()) => return true,
+            Err(e) => {
+                let delay = backoff.next_delay();
+                tracing::error!(error = %e, retry_in = ?delay, "migrations failed");
+                if !sleep_or_stop(&shared.stop, delay).await {
+                    return false;
+                }
+            }
+        }
+    }
+}
+
+/// Sleep unless stopped first; false when stopped.
+async fn sleep_or_stop(stop: &CancellationToken, d: Duration) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = tokio::time::sleep(d) => true,
+    }
+}
+
+/// The election driver and broker supervisor.
+struct NodeLoop {
+    shared: Arc<Shared>,
+    rejected: LogLimiter,
+    exit: Option<Exit>,
+}
+
+/// Why serving one connection ended.
+enum Ended {
+    BusLost,
+    Stop,
+}
+
+impl NodeLoop {
+    fn new(shared: Arc<Shared>) -> Self {
+        Self {
+            shared,
+            rejected: LogLimiter::new(Duration::from_secs(10)),
+            exit: None,
+        }
+    }
+
+    /// Connect, serve, reconnect on loss; on stop announce `leaving`. Returns the last bus
+    /// (still open, for the caller to close once the scan has stopped).
+    async fn run(mut self) -> (Exit, Option<Arc<Bus>>) {
+        let mut backoff = Backoff::new(self.shared.settings.backoff.min, self.shared.settings.backoff.max);
+        let mut first = true;
+        loop {
+            let Some((bus, consumer)) = self.connect(&mut backoff).await else {
+                return (self.exit.unwrap_or(Exit::Stopped), None);
+            };
+            if !first {
+                self.shared.election().bus_lost(Instant::now());
+            }
+            first = false;
+            self.shared.bus.send_replace(Some(bus.clone()));
+            self.shared.update_status(|s| s.bus_connected = true);
+            let ended = self.serve(&bus, consumer).await;
+            self.shared.bus.send_replace(None);
+            self.shared.update_status(|s| s.bus_connected = false);
+            match ended {
+                Ended::Stop => {
+                    self.leave(&bus).await;
+                    return (self.exit.unwrap_or(Exit::Stopped), Some(bus));
+                }
+                Ended::BusLost => {
+                    self.shared.election().bus_lost(Instant::now());
+                    self.apply_outputs(None).await;
+                    bus.close().await;
+                }
+            }
+        }
+    }
+
+    async fn connect(&mut self, backoff: &mut Backoff) -> Option<(Arc<Bus>, Consumer)> {
+        let settings = &self.shared.settings;
+        let name = format!("timeoutd {}", self.shared.node_id);
+        loop {
+            if self.shared.stop.is_cancelled() {
+                return None;
+            }
+            match Bus::connect(&settings.amqp, &settings.election.group, &name).await {
+                Ok((bus, consumer)) => {
+                    if backoff.failures() > 0 {
+                        tracing::info!(attempts = backoff.failures(), "reconnected to RabbitMQ");
+                    }
+                    backoff.reset();
+                    return Some((Arc::new(bus), consumer));
+                }
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::error!(error = %e, retry_in = ?delay, "cannot connect to RabbitMQ");
+                    if !sleep_or_stop(&self.shared.stop, delay).await {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn serve(&mut self, bus: &Bus, mut consumer: Consumer) -> Ended {
+        let mut ticker = tokio::time::interval(self.shared.settings.election.tick);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = self.shared.stop.cancelled() => return Ended::Stop,
+                _ = ticker.tick() => {
+                    if !bus.is_healthy() {
+                        tracing::error!("RabbitMQ connection lost");
+                        return Ended::BusLost;
+                    }
+                    self.shared.election().tick(Instant::now());
+                }
+                delivery = consumer.next() => match delivery {
+                    Some(Ok(d)) => self.receive(&d),
+                    Some(Err(e)) => {
+                        tracing::error!(error = %e, "announcement consumer failed");
+                        return Ended::BusLost;
+                    }
+                    None => {
+                        tracing::error!("announcement consumer was cancelled");
+                        return Ended::BusLost;
+                    }
+                },
+            }
+            if !self.apply_outputs(Some(bus)).await {
+                return Ended::BusLost;
+            }
+            if self.exit.is_some() {
+                return Ended::Stop;
+            }
+        }
+    }
+
+    fn receive(&mut self, delivery: &Delivery) {
+        let now = Instant::now();
+        let settings = &self.shared.settings;
+        let kind = delivery.properties.kind().as_ref().map(|k| k.as_str());
+        let a = match Announcement::decode(kind, &delivery.data, &settings.election.group) {
+            Ok(a) => a,
+            Err(e) => {
+                if let Some(suppressed) = self.rejected.allow(now) {
+                    tracing::warn!(reason = e.kind(), suppressed, "dropped announcement: {e}");
+                }
+                return;
+            }
+        };
+        let mut election = self.shared.election();
+        election.step(now, a.heard());
+        if a.node_id == self.shared.node_id && !a.leaving {
+            // Our own message: sent and received by this clock, so skew cannot fake lag.
+            let lag = (Utc::now() - a.sent_at).to_std().unwrap_or_default();
+            election.observe_own_lag(now, lag);
+        }
+    }
+
+    /// Carry out what the election asks. False when an announcement could not be sent
+    /// (the bus is broken).
+    async fn apply_outputs(&mut self, bus: Option<&Bus>) -> bool {
+        let (outputs, snapshot) = {
+            let mut e = self.shared.election();
+            let outputs: Vec<Output> = std::iter::from_fn(|| e.poll_output()).collect();
+            (outputs, members_view(&e))
+        };
+        self.shared.update_status(|s| {
+            (s.role, s.settled, s.lowest, s.members) = snapshot;
+        });
+        for output in outputs {
+            if !self.apply(output, bus).await {
+                return false;
+            }
+        }
+        true
+    }
+
+    async fn apply(&mut self, output: Output, bus: Option<&Bus>) -> bool {
+        match output {
+            Output::Send(a) => {
+                let Some(bus) = bus else { return true };
+                let msg = Announcement {
+                    node_id: self.shared.node_id,
+                    group: self.shared.settings.election.group.clone(),
+                    sent_at: Utc::now(),
+                    active: a.active,
+                    leaving: a.leaving,
+                    probe: a.probe,
+                };
+                if let Err(e) = bus.announce(&msg, self.shared.settings.election.member_ttl).await {
+                    tracing::error!(error = %e, "cannot announce");
+                    return false;
+                }
+            }
+            Output::RoleChanged { role, reason, members } => {
+                let members: Vec<String> = members.iter().map(Uuid::to_string).collect();
+                tracing::info!(node_id = %self.shared.node_id, %role, %reason, ?members, "role changed");
+                self.shared.role.send_replace(role);
+            }
+            Output::BusSilent { for_ } => tracing::warn!(
+                silent_for = ?for_,
+                "heard no announcement, not even our own: the bus is broken for this node; acting alone"
+            ),
+            Output::Lagging { lag } => tracing::error!(
+                ?lag, max_lag = ?self.shared.settings.timing().max_lag,
+                "own announcements arrive too late: stepping down"
+            ),
+            Output::LagRecovered { lag } => tracing::info!(?lag, "announcements on time again"),
+            Output::Exit { lag } => {
+                tracing::error!(?lag, "lagging for too long: exiting so the orchestrator restarts us");
+                self.exit = Some(Exit::Lagging);
+            }
+        }
+        true
+    }
+
+    /// Announce `leaving` so the next node takes over within a tick.
+    async fn leave(&mut self, bus: &Bus) {
+        self.shared.election().leave(Instant::now());
+        self.apply_outputs(Some(bus)).await;
+    }
+}
+
+type MembersView = (Role, bool, Uuid, Vec<MemberStatus>);
+
+fn members_view(e: &Election) -> MembersView {
+    let members = e
+        .members(Instant::now())
+        .into_iter()
+        .map(|m| MemberStatus {
+            node_id: m.id,
+            last_seen_ms: m.age.as_millis(),
+            active: m.active,
+            probing: m.probing,
+        })
+        .collect();
+    (e.role(), e.is_settled(), e.lowest(), members)
+}
+
+/// While active: scan every tick, batch after batch while batches come back full.
+async fn scan_loop(shared: Arc<Shared>) {
+    let settings = &shared.settings;
+    let scanner = Scanner {
+        node_id: shared.node_id,
+        batch_size: settings.scan.batch_size,
+        retry_min: settings.scan.retry_min,
+        retry_max: settings.scan.retry_max,
+    };
+    let mut role = shared.role.subscribe();
+    let mut bus = shared.bus.subscribe();
+    let mut backoff = Backoff::new(settings.backoff.min, settings.backoff.max);
+    loop {
+        tokio::select! {
+            _ = shared.stop.cancelled() => return,
+            r = role.wait_for(|r| *r == Role::Active) => if r.is_err() { return },
+        }
+        let current = bus.borrow_and_update().clone();
+        let pause = match current {
+            None => settings.election.tick,
+            Some(bus) => match drain(&shared, &scanner, &bus).await {
+                Ok(()) => {
+                    backoff.reset();
+                    settings.election.tick
+                }
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::error!(error = %e, retry_in = ?delay, "scan failed, rolled back");
+                    shared.update_status(|s| s.database_ok = Some(!is_db_error(&e)));
+                    delay
+                }
+            },
+        };
+        tokio::select! {
+            _ = shared.stop.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {},
+            _ = bus.changed() => {},
+        }
+    }
+}
+
+fn is_db_error(e: &crate::scan::ScanError) -> bool {
+    matches!(e, crate::scan::ScanError::Store(_))
+}
+
+/// Run batches until one comes back short, the lease is lost, or we are stopping. A batch
+/// already started is never interrupted: it commits or rolls back as a whole.
+async fn drain(
+    shared: &Shared,
+    scanner: &Scanner,
+    bus: &Bus,
+) -> Result<(), crate::scan::ScanError> {
+    loop {
+        let outcome = scanner
+            .run_batch(&shared.store, bus, || shared.lease())
+            .await?;
+        record(shared, &outcome);
+        let full = outcome.locked >= scanner.batch_size as usize;
+        if !full || outcome.lease_lost || shared.stop.is_cancelled() {
+            return Ok(());
+        }
+    }
+}
+
+fn record(shared: &Shared, outcome: &BatchOutcome) {
+    if outcome.lease_lost {
+        tracing::warn!(locked = outcome.locked, "lease lost before commit: batch rolled back");
+    } else if outcome.locked > 0 {
+        let max_late = outcome.lateness.iter().max().copied().unwrap_or_default();
+        tracing::info!(
+            fired = outcome.fired, failed = outcome.failed, duration = ?outcome.duration,
+            max_lateness = ?max_late, "fired TimeOuts"
+        );
+    }
+    shared.update_status(|s| {
+        s.database_ok = Some(true);
+        if outcome.locked > 0 && !outcome.lease_lost {
+            s.fired_total += outcome.fired as u64;
+            s.last_scan = Some(ScanStatus {
+                at: Utc::now(),
+                duration_ms: outcome.duration.as_secs_f64() * 1000.0,
+                fired: outcome.fired,
+                failed: outcome.failed,
+            });
+        }
+    });
+}

@@ -1,0 +1,304 @@
+//! Postgres: connection pool, embedded migrations, and the statements of the scan.
+//!
+//! Every statement names `<schema>.expected_messages`; the schema is a validated plain
+//! identifier (see `config`), so formatting it into SQL is safe. The statements are built
+//! once per store so sqlx's per-connection statement cache prepares each of them once.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use crate::config;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("invalid postgres.url: {0}")]
+    Url(#[source] sqlx::Error),
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// One due row, locked by the scan's transaction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DueRow {
+    pub id: Uuid,
+    pub process_id: String,
+    pub message_type: String,
+    pub timeout_at: DateTime<Utc>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub payload: Option<serde_json::Value>,
+    pub attempts: i32,
+    /// Database clock when the row was read: never before `timeout_at`.
+    pub fired_at: DateTime<Utc>,
+}
+
+/// A publish that did not go through: the row stays and is retried after `delay`.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub id: Uuid,
+    pub error: String,
+    pub delay: Duration,
+}
+
+/// What `timeoutd pending` and the gauges report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PendingCounts {
+    pub pending: i64,
+    pub due: i64,
+    pub overdue: i64,
+    pub failing: i64,
+}
+
+/// One row as `timeoutd pending --list` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PendingRow {
+    pub id: Uuid,
+    pub process_id: String,
+    pub message_type: String,
+    pub timeout_at: DateTime<Utc>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub retry_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PendingFilter {
+    All,
+    Failing,
+}
+
+#[derive(Debug, Clone)]
+struct Sql {
+    lock_due: Arc<str>,
+    delete: Arc<str>,
+    fail: Arc<str>,
+    counts: Arc<str>,
+    list_all: Arc<str>,
+    list_failing: Arc<str>,
+}
+
+impl Sql {
+    fn new(schema: &str) -> Self {
+        let t = format!("{schema}.expected_messages");
+        let due = "coalesce(retry_at, timeout_at)";
+        // Clamped so '-infinity' / 'infinity' deadlines still decode (and fire, if due).
+        let deadline = "least(greatest(timeout_at, '0001-01-01T00:00:00Z'), \
+                        '9999-12-31T23:59:59Z') AS timeout_at";
+        let cols = format!(
+            "id, process_id, message_type, {deadline}, exchange, routing_key, attempts, \
+             last_error, retry_at"
+        );
+        Self {
+            lock_due: format!(
+                "SELECT id, process_id, message_type, {deadline}, exchange, routing_key, \
+                 payload, attempts, clock_timestamp() AS fired_at \
+                 FROM {t} WHERE {due} <= now() ORDER BY {due} LIMIT $1 \
+                 FOR UPDATE SKIP LOCKED"
+            )
+            .into(),
+            delete: format!("DELETE FROM {t} WHERE id = ANY($1)").into(),
+            fail: format!(
+                "UPDATE {t} AS m SET attempts = m.attempts + 1, last_error = f.error, \
+                 retry_at = now() + make_interval(secs => f.delay) \
+                 FROM unnest($1::uuid[], $2::text[], $3::float8[]) AS f(id, error, delay) \
+                 WHERE m.id = f.id"
+            )
+            .into(),
+            counts: format!(
+                "SELECT count(*) AS pending, \
+                 count(*) FILTER (WHERE timeout_at <= now()) AS due, \
+                 count(*) FILTER (WHERE timeout_at <= now() - $1::interval) AS overdue, \
+                 count(*) FILTER (WHERE attempts > 0) AS failing FROM {t}"
+            )
+            .into(),
+            list_all: format!("SELECT {cols} FROM {t} ORDER BY timeout_at LIMIT $1")
+            .into(),
+            list_failing: format!(
+                "SELECT {cols} FROM {t} WHERE attempts > 0 ORDER BY timeout_at LIMIT $1"
+            )
+            .into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: PgPool,
+    schema: String,
+    sql: Sql,
+}
+
+impl Store {
+    /// A lazy pool: nothing connects until the first statement, so the daemon can start
+    /// (and join the election) while the database is still down.
+    pub fn connect(settings: &config::Postgres) -> Result<Self, StoreError> {
+        let options = connect_options(settings)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(settings.max_connections)
+            .acquire_timeout(settings.connect_timeout)
+            .connect_lazy_with(options);
+        Ok(Self {
+            pool,
+            schema: settings.schema.clone(),
+            sql: Sql::new(&settings.schema),
+        })
+    }
+
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Create the schema and apply the embedded migrations. The migrator holds an
+    /// advisory lock, so replicas starting together apply them once.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut migrator = sqlx::migrate!();
+        migrator.create_schema(self.schema.clone());
+        migrator.dangerous_set_table_name(format!("{}._sqlx_migrations", self.schema));
+        migrator.run(&self.pool).await?;
+        Ok(())
+    }
+
+    pub async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
+        Ok(self.pool.begin().await?)
+    }
+
+    /// Lock up to `limit` due rows, oldest deadline first, skipping rows another scan holds.
+    pub async fn lock_due(
+        &self,
+        tx: &mut PgConnection,
+        limit: u32,
+    ) -> Result<Vec<DueRow>, StoreError> {
+        let rows = sqlx::query(safe(&self.sql.lock_due))
+            .bind(i64::from(limit))
+            .fetch_all(tx)
+            .await?;
+        rows.iter().map(due_row).collect()
+    }
+
+    /// Delete the rows whose TimeOut was confirmed.
+    pub async fn delete(&self, tx: &mut PgConnection, ids: &[Uuid]) -> Result<u64, StoreError> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let done = sqlx::query(safe(&self.sql.delete)).bind(ids).execute(tx).await?;
+        Ok(done.rows_affected())
+    }
+
+    /// Keep the rows whose publish failed: attempts + 1, last_error, retry_at = now + delay.
+    pub async fn record_failures(
+        &self,
+        tx: &mut PgConnection,
+        failures: &[Failure],
+    ) -> Result<(), StoreError> {
+        if failures.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+        let errors: Vec<String> = failures.iter().map(|f| f.error.clone()).collect();
+        let delays: Vec<f64> = failures.iter().map(|f| f.delay.as_secs_f64()).collect();
+        sqlx::query(safe(&self.sql.fail))
+            .bind(ids)
+            .bind(errors)
+            .bind(delays)
+            .execute(tx)
+            .await?;
+        Ok(())
+    }
+
+    /// Counts for operators; `overdue` means due for longer than `late`.
+    pub async fn pending_counts(&self, late: Duration) -> Result<PendingCounts, StoreError> {
+        let row = sqlx::query(safe(&self.sql.counts))
+            .bind(format!("{} milliseconds", late.as_millis()))
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(PendingCounts {
+            pending: row.try_get("pending")?,
+            due: row.try_get("due")?,
+            overdue: row.try_get("overdue")?,
+            failing: row.try_get("failing")?,
+        })
+    }
+
+    /// Peek at rows, earliest deadline first; never changes them.
+    pub async fn list(
+        &self,
+        filter: PendingFilter,
+        limit: i64,
+    ) -> Result<Vec<PendingRow>, StoreError> {
+        let sql = match filter {
+            PendingFilter::All => &self.sql.list_all,
+            PendingFilter::Failing => &self.sql.list_failing,
+        };
+        let rows = sqlx::query(safe(sql)).bind(limit).fetch_all(&self.pool).await?;
+        rows.iter().map(pending_row).collect()
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// The statements are built from a validated identifier only (see `Sql::new`).
+fn safe(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
+    AssertSqlSafe(sql.clone())
+}
+
+fn connect_options(settings: &config::Postgres) -> Result<PgConnectOptions, StoreError> {
+    let mut options = PgConnectOptions::from_str(&settings.url)
+        .map_err(StoreError::Url)?
+        .application_name("timeoutd")
+        .options([
+            ("search_path", settings.schema.clone()),
+            (
+                "statement_timeout",
+                settings.statement_timeout.as_millis().to_string(),
+            ),
+        ]);
+    if let Some(ca) = &settings.ca_file {
+        options = options.ssl_root_cert(ca);
+    }
+    Ok(options)
+}
+
+fn due_row(row: &sqlx::postgres::PgRow) -> Result<DueRow, StoreError> {
+    Ok(DueRow {
+        id: row.try_get("id")?,
+        process_id: row.try_get("process_id")?,
+        message_type: row.try_get("message_type")?,
+        timeout_at: row.try_get("timeout_at")?,
+        exchange: row.try_get("exchange")?,
+        routing_key: row.try_get("routing_key")?,
+        payload: row.try_get("payload")?,
+        attempts: row.try_get("attempts")?,
+        fired_at: row.try_get("fired_at")?,
+    })
+}
+
+fn pending_row(row: &sqlx::postgres::PgRow) -> Result<PendingRow, StoreError> {
+    Ok(PendingRow {
+        id: row.try_get("id")?,
+        process_id: row.try_get("process_id")?,
+        message_type: row.try_get("message_type")?,
+        timeout_at: row.try_get("timeout_at")?,
+        exchange: row.try_get("exchange")?,
+        routing_key: row.try_get("routing_key")?,
+        attempts: row.try_get("attempts")?,
+        last_error: row.try_get("last_error")?,
+        retry_at: row.try_get("retry_at")?,
+    })
+}
