@@ -53,7 +53,9 @@ mod tests {
     #[test]
     fn doubles_up_to_the_cap() {
         let (min, max) = (Duration::from_millis(100), Duration::from_secs(1));
-        let got: Vec<u128> = (0..6).map(|a| exponential(min, max, a).as_millis()).collect();
+        let got: Vec<u128> = (0..6)
+            .map(|a| exponential(min, max, a).as_millis())
+            .collect();
         assert_eq!(got, vec![100, 200, 400, 800, 1000, 1000]);
         assert_eq!(exponential(min, max, u32::MAX), max);
     }
@@ -65,7 +67,10 @@ mod tests {
         for attempt in 0..40 {
             let base = exponential(min, max, attempt);
             let d = b.next_delay();
-            assert!(d >= base && d <= max && d <= base.mul_f64(1.5), "{attempt}: {d:?}");
+            assert!(
+                d >= base && d <= max && d <= base.mul_f64(1.5),
+                "{attempt}: {d:?}"
+            );
         }
         b.reset();
         assert_eq!(b.failures(), 0);

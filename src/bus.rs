@@ -117,7 +117,12 @@ impl Bus {
         let limit = settings.connect_timeout;
         let conn = match timeout(limit, open(settings, name)).await {
             Ok(conn) => conn?,
-            Err(_) => return Err(BusError::Timeout { what: "connect", after: limit }),
+            Err(_) => {
+                return Err(BusError::Timeout {
+                    what: "connect",
+                    after: limit,
+                });
+            }
         };
         let announce = bounded("open channel", limit, conn.create_channel()).await?;
         let consumer = declare(&announce, settings, group, limit).await?;
@@ -182,7 +187,10 @@ impl Bus {
             }
         }))
         .await;
-        if results.iter().any(|r| matches!(r, Err(PublishError::Channel(_)))) {
+        if results
+            .iter()
+            .any(|r| matches!(r, Err(PublishError::Channel(_))))
+        {
             // An exchange deleted since we checked: ask again next time.
             self.exchanges.lock().await.clear();
         }
@@ -287,7 +295,8 @@ fn is_not_found(e: &lapin::Error) -> bool {
 }
 
 fn short(s: &str, what: &str) -> Result<ShortString, PublishError> {
-    ShortString::try_new(s).map_err(|_| PublishError::Invalid(format!("{what} longer than 255 bytes")))
+    ShortString::try_new(s)
+        .map_err(|_| PublishError::Invalid(format!("{what} longer than 255 bytes")))
 }
 
 async fn await_confirm(
@@ -346,17 +355,29 @@ async fn declare(
         durable: true,
         ..ExchangeDeclareOptions::default()
     };
-    let declare_exchange =
-        channel.exchange_declare(exchange.clone(), ExchangeKind::Topic, durable, FieldTable::default());
+    let declare_exchange = channel.exchange_declare(
+        exchange.clone(),
+        ExchangeKind::Topic,
+        durable,
+        FieldTable::default(),
+    );
     bounded("declare exchange", limit, declare_exchange).await?;
     let mut args = FieldTable::default();
-    args.insert("x-max-length".into(), AMQPValue::LongLongInt(ANNOUNCE_QUEUE_MAX));
+    args.insert(
+        "x-max-length".into(),
+        AMQPValue::LongLongInt(ANNOUNCE_QUEUE_MAX),
+    );
     let options = QueueDeclareOptions {
         exclusive: true,
         auto_delete: true,
         ..QueueDeclareOptions::default()
     };
-    let queue = bounded("declare queue", limit, channel.queue_declare("".into(), options, args)).await?;
+    let queue = bounded(
+        "declare queue",
+        limit,
+        channel.queue_declare("".into(), options, args),
+    )
+    .await?;
     let bind = channel.queue_bind(
         queue.name().clone(),
         exchange,
@@ -369,7 +390,12 @@ async fn declare(
         no_ack: true,
         ..BasicConsumeOptions::default()
     };
-    let consume = channel.basic_consume(queue.name().clone(), "".into(), options, FieldTable::default());
+    let consume = channel.basic_consume(
+        queue.name().clone(),
+        "".into(),
+        options,
+        FieldTable::default(),
+    );
     bounded("consume", limit, consume).await
 }
 

@@ -7,7 +7,11 @@ use chrono::{DateTime, Utc};
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "timeoutd", version, about = "Fires TimeOut messages for a process manager's overdue expectations")]
+#[command(
+    name = "timeoutd",
+    version,
+    about = "Fires TimeOut messages for a process manager's overdue expectations"
+)]
 pub struct Cli {
     /// Configuration file (TOML), layered over the built-in defaults and under the
     /// TIMEOUTD__SECTION__KEY environment variables.

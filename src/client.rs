@@ -118,7 +118,10 @@ pub async fn expect(
 /// its TimeOut has fired (or is firing right now and will arrive).
 pub async fn cancel(conn: &mut PgConnection, schema: &str, id: Uuid) -> Result<bool, sqlx::Error> {
     let sql = format!("DELETE FROM {} WHERE id = $1", table(schema)?);
-    let done = sqlx::query(AssertSqlSafe(sql)).bind(id).execute(conn).await?;
+    let done = sqlx::query(AssertSqlSafe(sql))
+        .bind(id)
+        .execute(conn)
+        .await?;
     Ok(done.rows_affected() == 1)
 }
 

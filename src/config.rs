@@ -192,11 +192,7 @@ impl Settings {
 
     /// Every rule a value must meet, each refusal naming its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        check_url(
-            "amqp.url",
-            &self.amqp.url,
-            &["amqp", "amqps"],
-        )?;
+        check_url("amqp.url", &self.amqp.url, &["amqp", "amqps"])?;
         check_url(
             "postgres.url",
             &self.postgres.url,
@@ -213,7 +209,12 @@ impl Settings {
         }
         self.validate_durations()?;
         check_range("scan.batch_size", self.scan.batch_size, 1, 10_000)?;
-        check_range("postgres.max_connections", self.postgres.max_connections, 1, 100)?;
+        check_range(
+            "postgres.max_connections",
+            self.postgres.max_connections,
+            1,
+            100,
+        )?;
         self.http_listen()?;
         Ok(())
     }
@@ -228,7 +229,10 @@ impl Settings {
             ("amqp.confirm_timeout", self.amqp.confirm_timeout),
             ("backoff.min", self.backoff.min),
             ("postgres.connect_timeout", self.postgres.connect_timeout),
-            ("postgres.statement_timeout", self.postgres.statement_timeout),
+            (
+                "postgres.statement_timeout",
+                self.postgres.statement_timeout,
+            ),
             ("scan.retry_min", self.scan.retry_min),
             ("shutdown.timeout", self.shutdown.timeout),
         ] {
@@ -237,15 +241,30 @@ impl Settings {
             }
         }
         let order = [
-            ("election.tick", e.tick, "election.announce_interval", e.announce_interval),
+            (
+                "election.tick",
+                e.tick,
+                "election.announce_interval",
+                e.announce_interval,
+            ),
             (
                 "election.announce_interval",
                 e.announce_interval,
                 "election.member_ttl",
                 e.member_ttl,
             ),
-            ("backoff.min", self.backoff.min, "backoff.max", self.backoff.max),
-            ("scan.retry_min", self.scan.retry_min, "scan.retry_max", self.scan.retry_max),
+            (
+                "backoff.min",
+                self.backoff.min,
+                "backoff.max",
+                self.backoff.max,
+            ),
+            (
+                "scan.retry_min",
+                self.scan.retry_min,
+                "scan.retry_max",
+                self.scan.retry_max,
+            ),
         ];
         for (key, small, other, big) in order {
             if small > big || (key.starts_with("election") && small == big) {
@@ -307,7 +326,10 @@ pub fn redact_url(raw: &str) -> String {
         .query_pairs()
         .map(|(k, v)| {
             let secret = k.eq_ignore_ascii_case("password");
-            (k.into_owned(), if secret { "***".into() } else { v.into_owned() })
+            (
+                k.into_owned(),
+                if secret { "***".into() } else { v.into_owned() },
+            )
         })
         .collect();
     if !pairs.is_empty() {
@@ -317,9 +339,8 @@ pub fn redact_url(raw: &str) -> String {
 }
 
 fn check_url(key: &str, raw: &str, schemes: &[&str]) -> Result<(), ConfigError> {
-    let url = url::Url::parse(raw).map_err(|e| {
-        ConfigError::invalid(key, format!("not a URL ({e}): {}", redact_url(raw)))
-    })?;
+    let url = url::Url::parse(raw)
+        .map_err(|e| ConfigError::invalid(key, format!("not a URL ({e}): {}", redact_url(raw))))?;
     if !schemes.contains(&url.scheme()) {
         return Err(ConfigError::invalid(
             key,

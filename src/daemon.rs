@@ -180,7 +180,10 @@ async fn run(shared: Arc<Shared>) -> Exit {
     shared.stop.cancel();
     let limit = shared.settings.shutdown.timeout;
     if tokio::time::timeout(limit, scanner).await.is_err() {
-        tracing::error!(?limit, "scan did not stop in time; its transaction is rolled back");
+        tracing::error!(
+            ?limit,
+            "scan did not stop in time; its transaction is rolled back"
+        );
     }
     if let Some(bus) = bus {
         bus.close().await;
@@ -240,7 +243,10 @@ impl NodeLoop {
     /// Connect, serve, reconnect on loss; on stop announce `leaving`. Returns the last bus
     /// (still open, for the caller to close once the scan has stopped).
     async fn run(mut self) -> (Exit, Option<Arc<Bus>>) {
-        let mut backoff = Backoff::new(self.shared.settings.backoff.min, self.shared.settings.backoff.max);
+        let mut backoff = Backoff::new(
+            self.shared.settings.backoff.min,
+            self.shared.settings.backoff.max,
+        );
         let mut first = true;
         loop {
             let Some((bus, consumer)) = self.connect(&mut backoff).await else {
@@ -382,12 +388,19 @@ impl NodeLoop {
                     leaving: a.leaving,
                     probe: a.probe,
                 };
-                if let Err(e) = bus.announce(&msg, self.shared.settings.election.member_ttl).await {
+                if let Err(e) = bus
+                    .announce(&msg, self.shared.settings.election.member_ttl)
+                    .await
+                {
                     tracing::error!(error = %e, "cannot announce");
                     return false;
                 }
             }
-            Output::RoleChanged { role, reason, members } => {
+            Output::RoleChanged {
+                role,
+                reason,
+                members,
+            } => {
                 let members: Vec<String> = members.iter().map(Uuid::to_string).collect();
                 tracing::info!(node_id = %self.shared.node_id, %role, %reason, ?members, "role changed");
                 self.shared.role.send_replace(role);
@@ -402,7 +415,10 @@ impl NodeLoop {
             ),
             Output::LagRecovered { lag } => tracing::info!(?lag, "announcements on time again"),
             Output::Exit { lag } => {
-                tracing::error!(?lag, "lagging for too long: exiting so the orchestrator restarts us");
+                tracing::error!(
+                    ?lag,
+                    "lagging for too long: exiting so the orchestrator restarts us"
+                );
                 self.exit = Some(Exit::Lagging);
             }
         }
@@ -498,7 +514,10 @@ async fn drain(
 
 fn record(shared: &Shared, outcome: &BatchOutcome) {
     if outcome.lease_lost {
-        tracing::warn!(locked = outcome.locked, "lease lost before commit: batch rolled back");
+        tracing::warn!(
+            locked = outcome.locked,
+            "lease lost before commit: batch rolled back"
+        );
     } else if outcome.locked > 0 {
         let max_late = outcome.lateness.iter().max().copied().unwrap_or_default();
         tracing::info!(

@@ -120,13 +120,21 @@ pub enum Output {
         members: Vec<Uuid>,
     },
     /// Nothing, not even our own announcements, heard for `member_ttl`.
-    BusSilent { for_: Duration },
+    BusSilent {
+        for_: Duration,
+    },
     /// Own announcements started arriving later than `max_lag`: not fit to act.
-    Lagging { lag: Duration },
+    Lagging {
+        lag: Duration,
+    },
     /// Own announcements are on time again.
-    LagRecovered { lag: Duration },
+    LagRecovered {
+        lag: Duration,
+    },
     /// Lag persisted past `max_lag_exit`: the process should exit so it gets restarted.
-    Exit { lag: Duration },
+    Exit {
+        lag: Duration,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -394,11 +402,24 @@ impl Election {
             .map(|(id, _)| *id)
     }
 
+    /// Asymmetric on purpose: to *take* the role a node defers to every live lower id,
+    /// settling or not (nodes started together must not all act); to *keep* it, only a
+    /// settled lower member counts (a newcomer's probe must not leave the group without
+    /// an active node while the newcomer settles).
     fn recompute(&mut self) {
         if self.phase != Phase::Settled || self.lagging_since.is_some() {
             return;
         }
-        let lowest = self.lowest();
+        let lowest = match self.role {
+            Role::Active => self.lowest(),
+            Role::Passive => self
+                .members
+                .keys()
+                .next()
+                .copied()
+                .unwrap_or(self.me)
+                .min(self.me),
+        };
         if lowest == self.me {
             self.set_role(Role::Active, Reason::Lowest);
         } else {

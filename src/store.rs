@@ -122,8 +122,7 @@ impl Sql {
                  count(*) FILTER (WHERE attempts > 0) AS failing FROM {t}"
             )
             .into(),
-            list_all: format!("SELECT {cols} FROM {t} ORDER BY timeout_at LIMIT $1")
-            .into(),
+            list_all: format!("SELECT {cols} FROM {t} ORDER BY timeout_at LIMIT $1").into(),
             list_failing: format!(
                 "SELECT {cols} FROM {t} WHERE attempts > 0 ORDER BY timeout_at LIMIT $1"
             )
@@ -195,7 +194,10 @@ impl Store {
         if ids.is_empty() {
             return Ok(0);
         }
-        let done = sqlx::query(safe(&self.sql.delete)).bind(ids).execute(tx).await?;
+        let done = sqlx::query(safe(&self.sql.delete))
+            .bind(ids)
+            .execute(tx)
+            .await?;
         Ok(done.rows_affected())
     }
 
@@ -244,7 +246,10 @@ impl Store {
             PendingFilter::All => &self.sql.list_all,
             PendingFilter::Failing => &self.sql.list_failing,
         };
-        let rows = sqlx::query(safe(sql)).bind(limit).fetch_all(&self.pool).await?;
+        let rows = sqlx::query(safe(sql))
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(pending_row).collect()
     }
 

@@ -94,7 +94,11 @@ fn view(seen: &BTreeMap<Uuid, (Instant, Announcement, i64)>, ttl: Duration) -> V
         .values()
         .filter(|(at, _, _)| at.elapsed() <= ttl)
         .collect();
-    let lowest = live.iter().filter(|(_, a, _)| !a.probe).map(|(_, a, _)| a.node_id).min();
+    let lowest = live
+        .iter()
+        .filter(|(_, a, _)| !a.probe)
+        .map(|(_, a, _)| a.node_id)
+        .min();
     live.iter()
         .map(|(at, a, lag)| Seen {
             node_id: a.node_id,
@@ -112,7 +116,10 @@ fn print(members: &[Seen], json: bool) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(members)?);
         return Ok(());
     }
-    println!("{:<38} {:<8} {:>10} {:>8}", "NODE", "ROLE", "LAST SEEN", "LAG");
+    println!(
+        "{:<38} {:<8} {:>10} {:>8}",
+        "NODE", "ROLE", "LAST SEEN", "LAG"
+    );
     for m in members {
         let role = match (m.active, m.probing) {
             (_, true) => "joining",

@@ -90,7 +90,11 @@ async fn expect(settings: &Settings, args: ExpectArgs) -> anyhow::Result<ExitCod
         e = e.payload(p);
     }
     let store = Store::connect(&settings.postgres)?;
-    let mut conn = store.pool().acquire().await.context("connecting to Postgres")?;
+    let mut conn = store
+        .pool()
+        .acquire()
+        .await
+        .context("connecting to Postgres")?;
     let id = client::expect(&mut conn, store.schema(), &e)
         .await
         .context("inserting the expectation (has `timeoutd migrate` run?)")?;

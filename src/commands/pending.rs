@@ -20,7 +20,10 @@ pub async fn pending(settings: &Settings, args: PendingArgs) -> anyhow::Result<E
         _ => None,
     };
     let rows = match filter {
-        Some(f) => store.list(f, args.limit).await.context("listing expectations")?,
+        Some(f) => store
+            .list(f, args.limit)
+            .await
+            .context("listing expectations")?,
         None => Vec::new(),
     };
     store.close().await;

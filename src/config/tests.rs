@@ -16,7 +16,10 @@ fn defaults_match_the_contract() {
     let s = load(&[]).expect("defaults are valid");
     assert_eq!(s.amqp.url, "amqp://guest:guest@127.0.0.1:5672/%2f");
     assert_eq!(s.amqp.announce_exchange, "timeoutd.announcements");
-    assert_eq!(s.postgres.url, "postgres://postgres@127.0.0.1:5432/postgres");
+    assert_eq!(
+        s.postgres.url,
+        "postgres://postgres@127.0.0.1:5432/postgres"
+    );
     assert_eq!(s.postgres.schema, "timeoutd");
     assert!(s.postgres.migrate_on_start);
     assert_eq!(s.election.group, "default");
@@ -51,7 +54,11 @@ fn a_file_overrides_defaults_and_env_overrides_the_file() {
     let dir = std::env::temp_dir().join(format!("timeoutd-cfg-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).expect("tmp dir");
     let path = dir.join("c.toml");
-    std::fs::write(&path, "[election]\ngroup = \"from-file\"\ntick = \"500ms\"\n").expect("write");
+    std::fs::write(
+        &path,
+        "[election]\ngroup = \"from-file\"\ntick = \"500ms\"\n",
+    )
+    .expect("write");
     let s = Settings::load_from(Some(&path), env(&[("TIMEOUTD__ELECTION__TICK", "200ms")]))
         .expect("valid");
     assert_eq!(s.election.group, "from-file");
@@ -66,14 +73,22 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__AMQP__URL", "http://x", "amqp.url"),
         ("TIMEOUTD__AMQP__URL", "not a url", "amqp.url"),
         ("TIMEOUTD__POSTGRES__URL", "mysql://x/db", "postgres.url"),
-        ("TIMEOUTD__POSTGRES__SCHEMA", "x; drop table y", "postgres.schema"),
+        (
+            "TIMEOUTD__POSTGRES__SCHEMA",
+            "x; drop table y",
+            "postgres.schema",
+        ),
         ("TIMEOUTD__POSTGRES__SCHEMA", "Upper", "postgres.schema"),
         ("TIMEOUTD__ELECTION__GROUP", "", "election.group"),
         ("TIMEOUTD__ELECTION__GROUP", "a.#", "election.group"),
         ("TIMEOUTD__ELECTION__TICK", "0s", "election.tick"),
         ("TIMEOUTD__ELECTION__TICK", "2s", "election.tick"),
         ("TIMEOUTD__ELECTION__TICK", "soon", "tick"),
-        ("TIMEOUTD__ELECTION__ANNOUNCE_INTERVAL", "3s", "election.announce_interval"),
+        (
+            "TIMEOUTD__ELECTION__ANNOUNCE_INTERVAL",
+            "3s",
+            "election.announce_interval",
+        ),
         ("TIMEOUTD__ELECTION__MAX_LAG", "5s", "election.max_lag"),
         ("TIMEOUTD__SCAN__BATCH_SIZE", "0", "scan.batch_size"),
         ("TIMEOUTD__SCAN__BATCH_SIZE", "many", "batch_size"),
@@ -91,11 +106,17 @@ fn invalid_values_are_refused_naming_the_key() {
 fn redaction_hides_passwords_and_keeps_the_rest() {
     let s = load(&[
         ("TIMEOUTD__AMQP__URL", "amqps://user:s3cret@rabbit:5671/vh"),
-        ("TIMEOUTD__POSTGRES__URL", "postgres://pm:hunter2@db/app?password=x&sslmode=require"),
+        (
+            "TIMEOUTD__POSTGRES__URL",
+            "postgres://pm:hunter2@db/app?password=x&sslmode=require",
+        ),
     ])
     .expect("valid");
     let shown = format!("{:?}", s.redacted());
-    assert!(!shown.contains("s3cret") && !shown.contains("hunter2"), "{shown}");
+    assert!(
+        !shown.contains("s3cret") && !shown.contains("hunter2"),
+        "{shown}"
+    );
     assert!(shown.contains("user:***@rabbit"), "{shown}");
     assert!(shown.contains("sslmode=require"), "{shown}");
     assert!(!shown.contains("password=x"), "{shown}");

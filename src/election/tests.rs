@@ -289,7 +289,11 @@ fn leaving_removes_the_member_at_once() {
             ..heard(id(1))
         },
     );
-    assert_eq!(e.role(), Role::Active, "within the same step, not a tick later");
+    assert_eq!(
+        e.role(),
+        Role::Active,
+        "within the same step, not a tick later"
+    );
     assert!(e.members(t0).iter().all(|m| m.id != id(1)));
 }
 
@@ -435,7 +439,10 @@ fn lag_within_max_lag_changes_nothing() {
     let t0 = Instant::now();
     let mut e = settled_alone(id(1), t0);
     drain(&mut e);
-    e.observe_own_lag(t0 + Duration::from_millis(1100), Duration::from_millis(1500));
+    e.observe_own_lag(
+        t0 + Duration::from_millis(1100),
+        Duration::from_millis(1500),
+    );
     assert_eq!(e.role(), Role::Active);
     assert!(drain(&mut e).is_empty());
 }
@@ -487,8 +494,12 @@ fn leave_announces_leaving_once_and_ignores_further_input() {
 
 #[test]
 fn lowest_compares_uuid_bytes_like_hyphenated_strings() {
-    let a: Uuid = "0fffffff-ffff-4fff-bfff-ffffffffffff".parse().expect("uuid");
-    let b: Uuid = "a0000000-0000-4000-8000-000000000000".parse().expect("uuid");
+    let a: Uuid = "0fffffff-ffff-4fff-bfff-ffffffffffff"
+        .parse()
+        .expect("uuid");
+    let b: Uuid = "a0000000-0000-4000-8000-000000000000"
+        .parse()
+        .expect("uuid");
     assert!(a < b);
     assert!(a.to_string() < b.to_string());
     let t0 = Instant::now();
@@ -511,11 +522,23 @@ fn three_nodes_converge_on_the_lowest() {
             .map(|(i, n)| Election::new(id(*n), timing(), t0 + 100 * MS * i as u32))
             .collect();
         let mut now = t0;
+        let mut ever_active = std::collections::BTreeSet::new();
         while now < t0 + Duration::from_secs(3) {
             now += 50 * MS;
             deliver_all(&mut nodes, now);
             nodes.iter_mut().for_each(|n| n.tick(now));
+            ever_active.extend(
+                nodes
+                    .iter()
+                    .filter(|n| n.role() == Role::Active)
+                    .map(|n| n.id()),
+            );
         }
+        assert_eq!(
+            ever_active.into_iter().collect::<Vec<_>>(),
+            vec![id(1)],
+            "{order:?}"
+        );
         let active: Vec<Uuid> = nodes
             .iter()
             .filter(|n| n.role() == Role::Active)
@@ -559,4 +582,20 @@ fn losing_the_bus_drops_the_role_at_once_and_settles_again() {
     assert!(sends(&out).iter().all(|a| a.probe && !a.active));
     e.tick(t + Duration::from_secs(1));
     assert_eq!(e.role(), Role::Active);
+}
+
+#[test]
+fn a_settling_node_defers_to_a_lower_node_that_is_still_probing() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(5), timing(), t0);
+    e.step(
+        t0 + 400 * MS,
+        Heard {
+            probe: true,
+            ..heard(id(1))
+        },
+    );
+    e.tick(t0 + Duration::from_secs(1));
+    assert!(e.is_settled());
+    assert_eq!(e.role(), Role::Passive);
 }

@@ -1,0 +1,104 @@
+use std::process::Output;
+
+use crate::common::{Inbox, Proc, World, wait_for};
+use std::time::Duration;
+
+fn timeoutd(world: &World, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
+        .args(args)
+        .envs(world.env())
+        .envs(extra_env.iter().copied())
+        .output()
+        .expect("run timeoutd")
+}
+
+/// Invalid configuration is refused at start with exit code 2 and the key named.
+#[tokio::test]
+async fn invalid_config_exits_2_naming_the_key() {
+    let world = World::new().await;
+    let cases = [
+        (
+            "TIMEOUTD__ELECTION__ANNOUNCE_INTERVAL",
+            "5s",
+            "election.announce_interval",
+        ),
+        ("TIMEOUTD__POSTGRES__SCHEMA", "bad-name", "postgres.schema"),
+        ("TIMEOUTD__SCAN__BATCH_SIZE", "0", "scan.batch_size"),
+    ];
+    for (var, value, key) in cases {
+        for cmd in ["run", "check-config"] {
+            let out = timeoutd(&world, &[cmd], &[(var, value)]);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{cmd} {var}={value}: {err}");
+            assert!(err.contains(key), "{err}");
+        }
+    }
+    world.cleanup().await;
+}
+
+/// check-config prints the effective configuration without the password.
+#[tokio::test]
+async fn check_config_redacts_secrets() {
+    let world = World::new().await;
+    let url = "amqp://guest:sup3rsecret@127.0.0.1:5672/%2f";
+    let out = timeoutd(&world, &["check-config"], &[("TIMEOUTD__AMQP__URL", url)]);
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(shown.contains("guest:***@127.0.0.1"), "{shown}");
+    assert!(!shown.contains("sup3rsecret"), "{shown}");
+    assert!(shown.contains(&world.group), "{shown}");
+    world.cleanup().await;
+}
+
+/// The README walk-through: a daemon binary, `timeoutd expect --in`, exactly one TimeOut;
+/// `timeoutd pending` and `members --once --json` see the state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expect_command_fires_one_timeout_through_the_daemon_binary() {
+    let world = World::new().await;
+    let migrate = timeoutd(&world, &["migrate"], &[]);
+    assert!(migrate.status.success(), "{migrate:?}");
+    let inbox = Inbox::new().await;
+    let daemon = Proc::spawn(&world).await;
+    let out = timeoutd(
+        &world,
+        &[
+            "expect",
+            "--process-id",
+            "order-7",
+            "--message-type",
+            "PaymentReceived",
+            "--routing-key",
+            &inbox.queue,
+            "--in",
+            "1s",
+            "--payload",
+            r#"{"order":7}"#,
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let id = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .expect("prints the id")
+        .to_owned();
+    let pending = timeoutd(&world, &["pending", "--list", "--json"], &[]);
+    let pending: serde_json::Value =
+        serde_json::from_slice(&pending.stdout).expect("pending --json");
+    assert_eq!(pending["counts"]["pending"], 1, "{pending}");
+    assert_eq!(pending["rows"][0]["id"], id.as_str());
+    wait_for(Duration::from_secs(10), "the TimeOut", || inbox.len() == 1).await;
+    let members = timeoutd(&world, &["members", "--once", "--json"], &[]);
+    let members: serde_json::Value =
+        serde_json::from_slice(&members.stdout).expect("members --json");
+    assert_eq!(
+        members[0]["node_id"],
+        daemon.node_id.to_string().as_str(),
+        "{members}"
+    );
+    assert_eq!(members[0]["active"], true);
+    assert_eq!(inbox.counts().get(&id), Some(&1));
+    assert_eq!(inbox.all()[0].body["payload"]["order"], 7);
+    drop(daemon);
+    world.cleanup().await;
+}

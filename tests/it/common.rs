@@ -1,0 +1,420 @@
+//! Test harness against the real RabbitMQ and Postgres on this machine. Every test gets
+//! its own schema, group and queues, so tests run in parallel and repeatably.
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use sqlx::PgPool;
+use timeoutd::announcement::Announcement;
+use timeoutd::client::{self, Expectation};
+use timeoutd::config::Settings;
+use timeoutd::daemon::{self, Handle};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// One isolated test world: a schema, a group, env overrides.
+pub struct World {
+    pub schema: String,
+    pub group: String,
+    pub pool: PgPool,
+    pub overrides: Vec<(String, String)>,
+}
+
+impl World {
+    pub async fn new() -> Self {
+        let tag = Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let pool = PgPool::connect(PG_URL).await.expect("postgres reachable");
+        let world = Self {
+            schema: format!("t_{tag}"),
+            group: format!("g-{tag}"),
+            pool,
+            overrides: Vec::new(),
+        };
+        world.settings().validate().expect("valid test settings");
+        world
+    }
+
+    /// The environment a daemon of this world runs with.
+    pub fn env(&self) -> Vec<(String, String)> {
+        let mut env = vec![
+            ("TIMEOUTD__AMQP__URL".to_owned(), AMQP_URL.to_owned()),
+            ("TIMEOUTD__POSTGRES__URL".to_owned(), PG_URL.to_owned()),
+            ("TIMEOUTD__POSTGRES__SCHEMA".to_owned(), self.schema.clone()),
+            ("TIMEOUTD__ELECTION__GROUP".to_owned(), self.group.clone()),
+            (
+                "TIMEOUTD__HTTP__LISTEN".to_owned(),
+                "127.0.0.1:0".to_owned(),
+            ),
+        ];
+        env.extend(self.overrides.iter().cloned());
+        env
+    }
+
+    pub fn settings(&self) -> Settings {
+        Settings::load_from(None, self.env()).expect("settings")
+    }
+
+    /// Create the schema (what `timeoutd run` does at start) without a daemon.
+    pub async fn migrate(&self) {
+        let store = timeoutd::store::Store::connect(&self.settings().postgres).expect("store");
+        store.migrate().await.expect("migrate");
+        store.close().await;
+    }
+
+    /// A daemon in this process.
+    pub async fn start(&self) -> Handle {
+        daemon::start(self.settings(), CancellationToken::new())
+            .await
+            .expect("daemon starts")
+    }
+
+    pub async fn expect(&self, e: &Expectation) -> Uuid {
+        let mut conn = self.pool.acquire().await.expect("conn");
+        client::expect(&mut conn, &self.schema, e)
+            .await
+            .expect("insert")
+    }
+
+    pub async fn count(&self, filter: &str) -> i64 {
+        let sql = format!(
+            "SELECT count(*) FROM {}.expected_messages WHERE {filter}",
+            self.schema
+        );
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .fetch_one(&self.pool)
+            .await
+            .expect("count")
+    }
+
+    pub async fn cleanup(self) {
+        let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema);
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&self.pool)
+            .await
+            .expect("drop schema");
+        self.pool.close().await;
+    }
+}
+
+pub async fn amqp() -> Connection {
+    Connection::connect(AMQP_URL, ConnectionProperties::default())
+        .await
+        .expect("rabbitmq reachable")
+}
+
+/// A received TimeOut.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub at: DateTime<Utc>,
+    pub properties: lapin::BasicProperties,
+    pub routing_key: String,
+    pub body: serde_json::Value,
+}
+
+/// An exclusive queue that collects what arrives, keyed by `message_id`.
+pub struct Inbox {
+    pub queue: String,
+    pub got: Arc<Mutex<Vec<Received>>>,
+    _conn: Connection,
+}
+
+impl Inbox {
+    /// A queue reached through the default exchange with routing key = its name.
+    pub async fn new() -> Self {
+        Self::bound(None).await
+    }
+
+    /// A queue bound to a fresh topic exchange `(exchange, key)`.
+    pub async fn on_exchange(exchange: &str, key: &str) -> Self {
+        Self::bound(Some((exchange, key))).await
+    }
+
+    async fn bound(binding: Option<(&str, &str)>) -> Self {
+        let conn = amqp().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let q = ch
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions::exclusive(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue");
+        if let Some((exchange, key)) = binding {
+            let opts = ExchangeDeclareOptions {
+                auto_delete: true,
+                ..ExchangeDeclareOptions::default()
+            };
+            ch.exchange_declare(
+                exchange.into(),
+                ExchangeKind::Topic,
+                opts,
+                FieldTable::default(),
+            )
+            .await
+            .expect("exchange");
+            ch.queue_bind(
+                q.name().clone(),
+                exchange.into(),
+                key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind");
+        }
+        let got = Arc::new(Mutex::new(Vec::new()));
+        spawn_collector(&ch, q.name().as_str(), got.clone()).await;
+        Self {
+            queue: q.name().to_string(),
+            got,
+            _conn: conn,
+        }
+    }
+
+    pub fn all(&self) -> Vec<Received> {
+        self.got.lock().expect("lock").clone()
+    }
+
+    pub fn len(&self) -> usize {
+        self.got.lock().expect("lock").len()
+    }
+
+    /// How many times each message_id arrived.
+    pub fn counts(&self) -> HashMap<String, usize> {
+        let mut m = HashMap::new();
+        for r in self.all() {
+            let id = r
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            *m.entry(id).or_default() += 1;
+        }
+        m
+    }
+}
+
+async fn spawn_collector(ch: &lapin::Channel, queue: &str, got: Arc<Mutex<Vec<Received>>>) {
+    let opts = BasicConsumeOptions {
+        no_ack: true,
+        ..BasicConsumeOptions::default()
+    };
+    let mut consumer = ch
+        .basic_consume(queue.into(), "".into(), opts, FieldTable::default())
+        .await
+        .expect("consume");
+    tokio::spawn(async move {
+        while let Some(Ok(d)) = consumer.next().await {
+            let body = serde_json::from_slice(&d.data).unwrap_or(serde_json::Value::Null);
+            got.lock().expect("lock").push(Received {
+                at: Utc::now(),
+                properties: d.properties.clone(),
+                routing_key: d.routing_key.to_string(),
+                body,
+            });
+        }
+    });
+}
+
+/// One announcement seen on the group's routing key.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub at: Instant,
+    pub a: Announcement,
+}
+
+/// Listens to a group's announcements, like any member does.
+pub struct Observer {
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+    _conn: Connection,
+}
+
+impl Observer {
+    pub async fn new(group: &str) -> Self {
+        let conn = amqp().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        ch.exchange_declare(
+            "timeoutd.announcements".into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .expect("exchange");
+        let q = ch
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions::exclusive(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue");
+        ch.queue_bind(
+            q.name().clone(),
+            "timeoutd.announcements".into(),
+            group.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+        let opts = BasicConsumeOptions {
+            no_ack: true,
+            ..BasicConsumeOptions::default()
+        };
+        let mut consumer = ch
+            .basic_consume(q.name().clone(), "".into(), opts, FieldTable::default())
+            .await
+            .expect("consume");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sink = seen.clone();
+        let group = group.to_owned();
+        tokio::spawn(async move {
+            while let Some(Ok(d)) = consumer.next().await {
+                if let Ok(a) = Announcement::decode(None, &d.data, &group) {
+                    sink.lock().expect("lock").push(Seen {
+                        at: Instant::now(),
+                        a,
+                    });
+                }
+            }
+        });
+        Self { seen, _conn: conn }
+    }
+
+    pub fn all(&self) -> Vec<Seen> {
+        self.seen.lock().expect("lock").clone()
+    }
+
+    /// First announcement after `since` matching `f`.
+    pub fn first_after(&self, since: Instant, f: impl Fn(&Announcement) -> bool) -> Option<Seen> {
+        self.all().into_iter().find(|s| s.at >= since && f(&s.a))
+    }
+}
+
+/// Poll `cond` every 20 ms until it holds or `limit` passes.
+pub async fn wait_for<F: FnMut() -> bool>(limit: Duration, what: &str, mut cond: F) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Same as `wait_for` with an async condition.
+pub async fn wait_for_async<F, Fut>(limit: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !cond().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A `timeoutd` process, its node id read from its JSON log.
+pub struct Proc {
+    pub child: tokio::process::Child,
+    pub node_id: Uuid,
+    pub log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    pub async fn spawn(world: &World) -> Self {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"));
+        cmd.arg("run")
+            .envs(world.env())
+            .env("TIMEOUTD__LOG__FORMAT", "json")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().expect("spawn timeoutd");
+        let stderr = child.stderr.take().expect("stderr");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(collect_log(stderr, log.clone(), tx));
+        let node_id = tokio::time::timeout(Duration::from_secs(20), rx)
+            .await
+            .expect("daemon logged its node id in time")
+            .expect("node id");
+        Self {
+            child,
+            node_id,
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id().expect("running") as i32
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .expect("kill runs")
+            .success();
+        assert!(ok, "kill -{sig} failed");
+    }
+
+    pub fn logged(&self, needle: &str) -> bool {
+        self.log
+            .lock()
+            .expect("lock")
+            .iter()
+            .any(|l| l.contains(needle))
+    }
+}
+
+async fn collect_log(
+    stderr: tokio::process::ChildStderr,
+    log: Arc<Mutex<Vec<String>>>,
+    tx: tokio::sync::oneshot::Sender<Uuid>,
+) {
+    let mut tx = Some(tx);
+    let mut lines = BufReader::new(stderr).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if let Some(id) = node_id_of(&line)
+            && let Some(tx) = tx.take()
+        {
+            let _ = tx.send(id);
+        }
+        log.lock().expect("lock").push(line);
+    }
+}
+
+fn node_id_of(line: &str) -> Option<Uuid> {
+    let v: serde_json::Value = serde_json::from_str(line).ok()?;
+    if v.get("message")?.as_str()? != "starting" {
+        return None;
+    }
+    v.get("node_id")?.as_str()?.parse().ok()
+}

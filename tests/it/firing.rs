@@ -1,0 +1,123 @@
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use lapin::types::AMQPValue;
+use timeoutd::client::Expectation;
+use timeoutd::election::Role;
+
+use crate::common::{Inbox, World, wait_for, wait_for_async};
+
+/// 500 expectations all due 1.5 s from now (and 50 due in an hour): each TimeOut arrives
+/// exactly once, never before its deadline, with the contract's properties and body; the
+/// rows not due stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fires_500_due_rows_exactly_once_and_leaves_the_rest() {
+    let world = World::new().await;
+    world.migrate().await;
+    let inbox = Inbox::new().await;
+    let node = world.start().await;
+    wait_for(Duration::from_secs(5), "node active", || {
+        *node.role.borrow() == Role::Active
+    })
+    .await;
+    let due_at = Utc::now() + chrono::Duration::milliseconds(1500);
+    let mut ids = HashSet::new();
+    for i in 0..500 {
+        let e = Expectation::new(&format!("proc-{i}"), "PaymentReceived", &inbox.queue)
+            .due_at(due_at)
+            .payload(serde_json::json!({"n": i, "nested": {"ok": true}}));
+        ids.insert(world.expect(&e).await.to_string());
+    }
+    for i in 0..50 {
+        let e = Expectation::new(&format!("later-{i}"), "Never", &inbox.queue)
+            .due_in(Duration::from_secs(3600));
+        world.expect(&e).await;
+    }
+    wait_for(Duration::from_secs(30), "500 TimeOuts", || {
+        inbox.len() >= 500
+    })
+    .await;
+    let got = inbox.all();
+    let last = got.iter().map(|r| r.at).max().expect("some");
+    let secs = (last - due_at)
+        .to_std()
+        .expect("after deadline")
+        .as_secs_f64();
+    println!(
+        "500 rows fired in {:.3}s after their deadline: {:.0} rows/s",
+        secs,
+        500.0 / secs
+    );
+    let counts = inbox.counts();
+    assert_eq!(counts.len(), 500, "distinct message ids");
+    assert!(counts.values().all(|n| *n == 1), "each exactly once");
+    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), ids);
+    for r in &got {
+        assert!(
+            r.at >= due_at,
+            "received {} before deadline {}",
+            r.at,
+            due_at
+        );
+        check_contract(r, node.node_id, &inbox.queue);
+    }
+    wait_for_async(Duration::from_secs(5), "due rows deleted", || async {
+        world.count("timeout_at <= now()").await == 0
+    })
+    .await;
+    assert_eq!(world.count("true").await, 50, "rows not due stay");
+    // Settle a moment longer: nothing more arrives (no duplicate from a late retry).
+    let quiet = Instant::now();
+    while quiet.elapsed() < Duration::from_millis(500) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(inbox.len(), 500);
+    node.stop().await;
+    world.cleanup().await;
+}
+
+fn check_contract(r: &crate::common::Received, node: uuid::Uuid, queue: &str) {
+    let p = &r.properties;
+    let id = p.message_id().as_ref().expect("message_id").to_string();
+    let process = p
+        .correlation_id()
+        .as_ref()
+        .expect("correlation_id")
+        .to_string();
+    assert_eq!(p.kind().as_ref().map(|k| k.as_str()), Some("TimeOut"));
+    assert_eq!(
+        p.content_type().as_ref().map(|k| k.as_str()),
+        Some("application/json")
+    );
+    assert_eq!(*p.delivery_mode(), Some(2));
+    let fired = r.body["fired_at"].as_str().expect("fired_at");
+    let fired: chrono::DateTime<Utc> = fired.parse().expect("RFC 3339 fired_at");
+    assert_eq!(*p.timestamp(), Some(fired.timestamp() as u64));
+    let header = p
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-timeoutd-node").cloned());
+    let node_str = match header {
+        Some(AMQPValue::LongString(s)) => s.to_string(),
+        other => panic!("x-timeoutd-node header: {other:?}"),
+    };
+    assert_eq!(node_str, node.to_string());
+    assert_eq!(r.routing_key.as_str(), queue);
+    let b = &r.body;
+    assert_eq!(b["expectation_id"].as_str(), Some(id.as_str()));
+    assert_eq!(b["process_id"].as_str(), Some(process.as_str()));
+    assert_eq!(b["message_type"], "PaymentReceived");
+    let deadline: chrono::DateTime<Utc> = b["timeout_at"]
+        .as_str()
+        .expect("timeout_at")
+        .parse()
+        .expect("RFC 3339 timeout_at");
+    assert!(
+        fired >= deadline,
+        "fired_at {fired} before timeout_at {deadline}"
+    );
+    let n = b["payload"]["n"].as_i64().expect("payload echoed");
+    assert_eq!(process, format!("proc-{n}"));
+    assert_eq!(b["payload"]["nested"]["ok"], true);
+}
