@@ -5,7 +5,10 @@
 //! an await): the node loop feeds it ticks and announcements and carries out its
 //! outputs; the scan loop asks it for the lease right before publishing and committing.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use anyhow::Context;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -23,6 +26,7 @@ use crate::backoff::Backoff;
 use crate::bus::Bus;
 use crate::config::Settings;
 use crate::election::{Election, Output, Role};
+use crate::http;
 use crate::scan::{BatchOutcome, Scanner};
 use crate::store::Store;
 use crate::telemetry::LogLimiter;
@@ -69,11 +73,68 @@ pub struct Snapshot {
     pub fired_total: u64,
 }
 
+/// What the HTTP probes and `/status` read: the snapshot, loop heartbeats, the store.
+pub struct Probe {
+    started: Instant,
+    status: RwLock<Snapshot>,
+    node_beat: AtomicU64,
+    scan_beat: AtomicU64,
+    stall_after: Duration,
+    store: Store,
+}
+
+impl Probe {
+    pub fn snapshot(&self) -> Snapshot {
+        self.status
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Snapshot)) {
+        f(&mut self.status.write().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    fn beat(&self, which: &AtomicU64) {
+        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        which.store(ms, Ordering::Relaxed);
+    }
+
+    /// Liveness: `Some(reason)` when a loop has not made progress for too long.
+    pub fn stalled(&self) -> Option<String> {
+        let now = self.started.elapsed();
+        for (name, beat) in [("node", &self.node_beat), ("scan", &self.scan_beat)] {
+            let since = now.saturating_sub(Duration::from_millis(beat.load(Ordering::Relaxed)));
+            if since > self.stall_after {
+                return Some(format!("{name} loop made no progress for {since:?}"));
+            }
+        }
+        None
+    }
+
+    /// Readiness: `Some(reason)` unless connected to both services and settled.
+    pub async fn not_ready(&self) -> Option<String> {
+        let s = self.snapshot();
+        if !s.bus_connected {
+            return Some("rabbitmq: not connected".into());
+        }
+        if let Err(e) = self.store.ping(Duration::from_secs(1)).await {
+            return Some(format!("postgres: {e}"));
+        }
+        if !s.settled {
+            return Some("election: settling".into());
+        }
+        None
+    }
+}
+
 /// A running daemon.
 pub struct Handle {
     pub node_id: Uuid,
     pub role: watch::Receiver<Role>,
-    pub status: Arc<RwLock<Snapshot>>,
+    pub probe: Arc<Probe>,
+    /// Where `/healthz`, `/readyz` and `/status` are served.
+    pub http_addr: std::net::SocketAddr,
     shutdown: CancellationToken,
     join: JoinHandle<Exit>,
 }
@@ -91,12 +152,8 @@ impl Handle {
     }
 
     pub fn snapshot(&self) -> Snapshot {
-        read(&self.status)
+        self.probe.snapshot()
     }
-}
-
-fn read(status: &RwLock<Snapshot>) -> Snapshot {
-    status.read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
 /// Everything both loops share.
@@ -106,7 +163,7 @@ struct Shared {
     election: Mutex<Election>,
     role: watch::Sender<Role>,
     bus: watch::Sender<Option<Arc<Bus>>>,
-    status: Arc<RwLock<Snapshot>>,
+    probe: Arc<Probe>,
     store: Store,
     stop: CancellationToken,
 }
@@ -118,8 +175,7 @@ impl Shared {
     }
 
     fn update_status(&self, f: impl FnOnce(&mut Snapshot)) {
-        let mut s = self.status.write().unwrap_or_else(|e| e.into_inner());
-        f(&mut s);
+        self.probe.update(f);
     }
 
     /// Re-check the lease right before acting (see `Election::check_lease`).
@@ -137,7 +193,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let election = Election::new(node_id, timing, Instant::now());
     let (role_tx, role_rx) = watch::channel(Role::Passive);
     let (bus_tx, _) = watch::channel(None);
-    let status = Arc::new(RwLock::new(Snapshot {
+    let status = RwLock::new(Snapshot {
         node_id,
         group: settings.election.group.clone(),
         role: Role::Passive,
@@ -148,15 +204,28 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         database_ok: None,
         last_scan: None,
         fired_total: 0,
-    }));
+    });
+    let s = &settings;
+    let probe = Arc::new(Probe {
+        started: Instant::now(),
+        status,
+        node_beat: AtomicU64::new(0),
+        scan_beat: AtomicU64::new(0),
+        stall_after: 2 * (s.amqp.connect_timeout + s.postgres.statement_timeout + s.backoff.max),
+        store: store.clone(),
+    });
     let stop = shutdown.child_token();
+    let http_addr = http::serve(settings.http_listen()?, probe.clone(), stop.clone())
+        .await
+        .with_context(|| format!("binding http.listen {}", settings.http.listen))?;
+    tracing::info!(%http_addr, "serving /healthz /readyz /status");
     let shared = Arc::new(Shared {
         settings,
         node_id,
         election: Mutex::new(election),
         role: role_tx,
         bus: bus_tx,
-        status: status.clone(),
+        probe: probe.clone(),
         store,
         stop: stop.clone(),
     });
@@ -165,7 +234,8 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     Ok(Handle {
         node_id,
         role: role_rx,
-        status,
+        probe,
+        http_addr,
         shutdown: stop,
         join,
     })
@@ -279,6 +349,7 @@ impl NodeLoop {
         let settings = &self.shared.settings;
         let name = format!("timeoutd {}", self.shared.node_id);
         loop {
+            self.shared.probe.beat(&self.shared.probe.node_beat);
             if self.shared.stop.is_cancelled() {
                 return None;
             }
@@ -326,6 +397,7 @@ impl NodeLoop {
                     }
                 },
             }
+            self.shared.probe.beat(&self.shared.probe.node_beat);
             if !self.apply_outputs(Some(bus)).await {
                 return Ended::BusLost;
             }
@@ -461,9 +533,15 @@ async fn scan_loop(shared: Arc<Shared>) {
     let mut bus = shared.bus.subscribe();
     let mut backoff = Backoff::new(settings.backoff.min, settings.backoff.max);
     loop {
-        tokio::select! {
-            _ = shared.stop.cancelled() => return,
-            r = role.wait_for(|r| *r == Role::Active) => if r.is_err() { return },
+        shared.probe.beat(&shared.probe.scan_beat);
+        if *role.borrow_and_update() != Role::Active {
+            // Wake at least every tick so the liveness heartbeat keeps moving.
+            tokio::select! {
+                _ = shared.stop.cancelled() => return,
+                _ = role.changed() => {},
+                _ = tokio::time::sleep(settings.election.tick) => {},
+            }
+            continue;
         }
         let current = bus.borrow_and_update().clone();
         let pause = match current {

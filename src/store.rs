@@ -253,6 +253,16 @@ impl Store {
         rows.iter().map(pending_row).collect()
     }
 
+    /// A round trip to the database, bounded by `limit`.
+    pub async fn ping(&self, limit: Duration) -> Result<(), String> {
+        let ping = sqlx::query("SELECT 1").execute(&self.pool);
+        match tokio::time::timeout(limit, ping).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {limit:?}")),
+        }
+    }
+
     pub async fn close(&self) {
         self.pool.close().await;
     }

@@ -6,4 +6,5 @@ mod common;
 mod election;
 mod failover;
 mod firing;
+mod http;
 mod unroutable;
