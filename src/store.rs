@@ -27,7 +27,7 @@ pub enum StoreError {
 }
 
 /// One due row, locked by the scan's transaction.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct DueRow {
     pub id: Uuid,
     pub process_id: String,
@@ -59,7 +59,7 @@ pub struct PendingCounts {
 }
 
 /// One row as `timeoutd pending --list` shows it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct PendingRow {
     pub id: Uuid,
     pub process_id: String,
@@ -182,11 +182,11 @@ impl Store {
         tx: &mut PgConnection,
         limit: u32,
     ) -> Result<Vec<DueRow>, StoreError> {
-        let rows = sqlx::query(safe(&self.sql.lock_due))
+        let rows = sqlx::query_as(safe(&self.sql.lock_due))
             .bind(i64::from(limit))
             .fetch_all(tx)
             .await?;
-        rows.iter().map(due_row).collect()
+        Ok(rows)
     }
 
     /// Delete the rows whose TimeOut was confirmed.
@@ -246,11 +246,10 @@ impl Store {
             PendingFilter::All => &self.sql.list_all,
             PendingFilter::Failing => &self.sql.list_failing,
         };
-        let rows = sqlx::query(safe(sql))
+        Ok(sqlx::query_as(safe(sql))
             .bind(limit)
             .fetch_all(&self.pool)
-            .await?;
-        rows.iter().map(pending_row).collect()
+            .await?)
     }
 
     /// A round trip to the database, bounded by `limit`.
@@ -288,32 +287,4 @@ fn connect_options(settings: &config::Postgres) -> Result<PgConnectOptions, Stor
         options = options.ssl_root_cert(ca);
     }
     Ok(options)
-}
-
-fn due_row(row: &sqlx::postgres::PgRow) -> Result<DueRow, StoreError> {
-    Ok(DueRow {
-        id: row.try_get("id")?,
-        process_id: row.try_get("process_id")?,
-        message_type: row.try_get("message_type")?,
-        timeout_at: row.try_get("timeout_at")?,
-        exchange: row.try_get("exchange")?,
-        routing_key: row.try_get("routing_key")?,
-        payload: row.try_get("payload")?,
-        attempts: row.try_get("attempts")?,
-        fired_at: row.try_get("fired_at")?,
-    })
-}
-
-fn pending_row(row: &sqlx::postgres::PgRow) -> Result<PendingRow, StoreError> {
-    Ok(PendingRow {
-        id: row.try_get("id")?,
-        process_id: row.try_get("process_id")?,
-        message_type: row.try_get("message_type")?,
-        timeout_at: row.try_get("timeout_at")?,
-        exchange: row.try_get("exchange")?,
-        routing_key: row.try_get("routing_key")?,
-        attempts: row.try_get("attempts")?,
-        last_error: row.try_get("last_error")?,
-        retry_at: row.try_get("retry_at")?,
-    })
 }

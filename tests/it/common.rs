@@ -145,41 +145,27 @@ impl Inbox {
     async fn bound(binding: Option<(&str, &str)>) -> Self {
         let conn = amqp().await;
         let ch = conn.create_channel().await.expect("channel");
-        let q = ch
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions::exclusive(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("queue");
-        if let Some((exchange, key)) = binding {
-            let opts = ExchangeDeclareOptions {
-                auto_delete: true,
-                ..ExchangeDeclareOptions::default()
-            };
-            ch.exchange_declare(
-                exchange.into(),
-                ExchangeKind::Topic,
-                opts,
-                FieldTable::default(),
-            )
-            .await
-            .expect("exchange");
-            ch.queue_bind(
-                q.name().clone(),
-                exchange.into(),
-                key.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("bind");
-        }
+        let auto_delete = ExchangeDeclareOptions {
+            auto_delete: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let (queue, mut consumer) =
+            consumed_queue(&ch, binding.map(|(x, k)| (x, k, auto_delete))).await;
         let got = Arc::new(Mutex::new(Vec::new()));
-        spawn_collector(&ch, q.name().as_str(), got.clone()).await;
+        let sink = got.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(d)) = consumer.next().await {
+                let body = serde_json::from_slice(&d.data).unwrap_or(serde_json::Value::Null);
+                sink.lock().expect("lock").push(Received {
+                    at: Utc::now(),
+                    properties: d.properties.clone(),
+                    routing_key: d.routing_key.to_string(),
+                    body,
+                });
+            }
+        });
         Self {
-            queue: q.name().to_string(),
+            queue,
             got,
             _conn: conn,
         }
@@ -209,26 +195,48 @@ impl Inbox {
     }
 }
 
-async fn spawn_collector(ch: &lapin::Channel, queue: &str, got: Arc<Mutex<Vec<Received>>>) {
+/// An exclusive server-named queue, optionally bound to `(exchange, key)` (declared with
+/// the given options), consumed without acks.
+async fn consumed_queue(
+    ch: &lapin::Channel,
+    binding: Option<(&str, &str, ExchangeDeclareOptions)>,
+) -> (String, lapin::Consumer) {
+    let q = ch
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions::exclusive(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue");
+    if let Some((exchange, key, opts)) = binding {
+        ch.exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            opts,
+            FieldTable::default(),
+        )
+        .await
+        .expect("exchange");
+        ch.queue_bind(
+            q.name().clone(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+    }
     let opts = BasicConsumeOptions {
         no_ack: true,
         ..BasicConsumeOptions::default()
     };
-    let mut consumer = ch
-        .basic_consume(queue.into(), "".into(), opts, FieldTable::default())
+    let consumer = ch
+        .basic_consume(q.name().clone(), "".into(), opts, FieldTable::default())
         .await
         .expect("consume");
-    tokio::spawn(async move {
-        while let Some(Ok(d)) = consumer.next().await {
-            let body = serde_json::from_slice(&d.data).unwrap_or(serde_json::Value::Null);
-            got.lock().expect("lock").push(Received {
-                at: Utc::now(),
-                properties: d.properties.clone(),
-                routing_key: d.routing_key.to_string(),
-                body,
-            });
-        }
-    });
+    (q.name().to_string(), consumer)
 }
 
 /// One announcement seen on the group's routing key.
@@ -252,39 +260,8 @@ impl Observer {
             durable: true,
             ..ExchangeDeclareOptions::default()
         };
-        ch.exchange_declare(
-            "timeoutd.announcements".into(),
-            ExchangeKind::Topic,
-            durable,
-            FieldTable::default(),
-        )
-        .await
-        .expect("exchange");
-        let q = ch
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions::exclusive(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("queue");
-        ch.queue_bind(
-            q.name().clone(),
-            "timeoutd.announcements".into(),
-            group.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind");
-        let opts = BasicConsumeOptions {
-            no_ack: true,
-            ..BasicConsumeOptions::default()
-        };
-        let mut consumer = ch
-            .basic_consume(q.name().clone(), "".into(), opts, FieldTable::default())
-            .await
-            .expect("consume");
+        let binding = ("timeoutd.announcements", group, durable);
+        let (_, mut consumer) = consumed_queue(&ch, Some(binding)).await;
         let seen = Arc::new(Mutex::new(Vec::new()));
         let sink = seen.clone();
         let group = group.to_owned();
