@@ -39,6 +39,8 @@ pub enum BusError {
     },
     #[error("amqp: {0}")]
     Amqp(#[from] lapin::Error),
+    #[error("amqp: connection lost")]
+    ConnectionLost,
     #[error("amqp: {what} timed out after {after:?}")]
     Timeout { what: &'static str, after: Duration },
 }

@@ -274,6 +274,14 @@ impl Settings {
                 ));
             }
         }
+        if self.postgres.statement_timeout <= self.amqp.confirm_timeout {
+            // The batch's transaction idles while confirms arrive; the server's idle
+            // timeout (= statement_timeout) must outlast them.
+            return Err(ConfigError::invalid(
+                "postgres.statement_timeout",
+                "must be greater than amqp.confirm_timeout",
+            ));
+        }
         let timing = self.timing();
         if timing.max_lag.is_zero() || timing.max_lag >= timing.member_ttl {
             return Err(ConfigError::invalid(

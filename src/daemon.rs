@@ -25,7 +25,7 @@ use crate::announcement::Announcement;
 use crate::backoff::Backoff;
 use crate::bus::Bus;
 use crate::config::Settings;
-use crate::election::{Election, Output, Role};
+use crate::election::{Election, Lease, Output, Role};
 use crate::http;
 use crate::scan::{BatchOutcome, Scanner};
 use crate::store::Store;
@@ -179,7 +179,7 @@ impl Shared {
     }
 
     /// Re-check the lease right before acting (see `Election::check_lease`).
-    fn lease(&self) -> bool {
+    fn lease(&self) -> Lease {
         self.election().check_lease(Instant::now())
     }
 }
@@ -188,7 +188,7 @@ impl Shared {
 /// run the node and scan loops until `shutdown` is cancelled.
 pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<Handle> {
     let node_id = Uuid::new_v4();
-    let store = Store::connect(&settings.postgres)?;
+    let store = Store::connect_as(&settings.postgres, &format!("timeoutd-{node_id}"))?;
     let timing = settings.timing();
     let election = Election::new(node_id, timing, Instant::now());
     let (role_tx, role_rx) = watch::channel(Role::Passive);
@@ -322,7 +322,10 @@ impl NodeLoop {
             let Some((bus, consumer)) = self.connect(&mut backoff).await else {
                 return (self.exit.unwrap_or(Exit::Stopped), None);
             };
-            if !first {
+            if first {
+                tracing::info!("connected to RabbitMQ");
+            } else {
+                tracing::info!("reconnected to RabbitMQ: probing the group again");
                 self.shared.election().bus_lost(Instant::now());
             }
             first = false;
@@ -355,9 +358,6 @@ impl NodeLoop {
             }
             match Bus::connect(&settings.amqp, &settings.election.group, &name).await {
                 Ok((bus, consumer)) => {
-                    if backoff.failures() > 0 {
-                        tracing::info!(attempts = backoff.failures(), "reconnected to RabbitMQ");
-                    }
                     backoff.reset();
                     return Some((Arc::new(bus), consumer));
                 }

@@ -63,6 +63,17 @@ impl fmt::Display for Role {
     }
 }
 
+/// The answer to "may I act?", asked right before publishing and before committing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lease {
+    /// Active, with a fresh view.
+    Held,
+    /// Not (or no longer) active, but the view is fresh: someone else is in charge now.
+    Demoted,
+    /// The process was paused longer than `member_ttl`: everything it believes is old.
+    Stale,
+}
+
 /// What a received announcement tells the election (the wire format lives in
 /// `announcement`; this is only the part the rules need).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -312,13 +323,16 @@ impl Election {
         self.set_role(Role::Passive, Reason::Lagging(lag));
     }
 
-    /// Re-check the lease right before acting (committing a scan). False means: do not
-    /// commit. A pause longer than `member_ttl` since the last tick also drops the role.
-    pub fn check_lease(&mut self, now: Instant) -> bool {
+    /// Re-check the lease right before acting. A pause longer than `member_ttl` since
+    /// the last tick makes the view stale: the role is dropped and the node settles again.
+    pub fn check_lease(&mut self, now: Instant) -> Lease {
         if self.detect_pause(now) {
-            return false;
+            return Lease::Stale;
         }
-        self.role == Role::Active
+        match self.role {
+            Role::Active => Lease::Held,
+            Role::Passive => Lease::Demoted,
+        }
     }
 
     /// The connection to the broker is gone (a node that cannot announce must not hold

@@ -15,6 +15,7 @@ use uuid::Uuid;
 
 use crate::backoff;
 use crate::bus::{self, Bus, BusError, Outgoing, PublishError};
+use crate::election::Lease;
 use crate::store::{DueRow, Failure, Store, StoreError};
 
 /// AMQP `type` of every TimeOut.
@@ -67,13 +68,16 @@ pub struct Scanner {
 }
 
 impl Scanner {
-    /// Run one batch. `lease` is asked right before publishing and right before
-    /// committing; `false` rolls the batch back.
+    /// Run one batch. `lease` is asked right before publishing (anything but `Held`
+    /// rolls back: nothing has been sent yet) and right before committing (`Stale` rolls
+    /// back: a paused process must not commit on its old belief; `Demoted` commits: the
+    /// rows stayed locked by this transaction the whole time, so nobody else fired them,
+    /// and rolling back would only fire them a second time).
     pub async fn run_batch(
         &self,
         store: &Store,
         bus: &Bus,
-        lease: impl Fn() -> bool,
+        lease: impl Fn() -> Lease,
     ) -> Result<BatchOutcome, ScanError> {
         let started = Instant::now();
         let mut tx = store.begin().await?;
@@ -82,7 +86,7 @@ impl Scanner {
             locked: rows.len(),
             ..BatchOutcome::default()
         };
-        if rows.is_empty() || !lease() {
+        if rows.is_empty() || lease() != Lease::Held {
             outcome.lease_lost = !rows.is_empty();
             tx.rollback().await.map_err(StoreError::from)?;
             outcome.duration = started.elapsed();
@@ -91,7 +95,7 @@ impl Scanner {
         let (fired, failures) = self.publish(bus, &rows).await?;
         store.delete(&mut tx, &fired).await?;
         store.record_failures(&mut tx, &failures).await?;
-        if !lease() {
+        if lease() == Lease::Stale {
             tx.rollback().await.map_err(StoreError::from)?;
             outcome.lease_lost = true;
         } else {
@@ -120,6 +124,11 @@ impl Scanner {
         }
         let outgoing: Vec<Outgoing> = messages.iter().map(|(_, m)| m.clone()).collect();
         let results = bus.publish_confirmed(&outgoing).await?;
+        if !bus.is_healthy() {
+            // The connection died under the batch: that says nothing about the rows, so
+            // roll back instead of charging them a failed attempt.
+            return Err(BusError::ConnectionLost);
+        }
         let mut fired = Vec::with_capacity(rows.len());
         let mut failures = invalid;
         for ((row, _), result) in messages.iter().zip(results) {

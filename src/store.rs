@@ -142,7 +142,13 @@ impl Store {
     /// A lazy pool: nothing connects until the first statement, so the daemon can start
     /// (and join the election) while the database is still down.
     pub fn connect(settings: &config::Postgres) -> Result<Self, StoreError> {
-        let options = connect_options(settings)?;
+        Self::connect_as(settings, "timeoutd")
+    }
+
+    /// As [`Store::connect`], naming the sessions (`application_name`) so an operator
+    /// can tell the nodes' backends apart in `pg_stat_activity`.
+    pub fn connect_as(settings: &config::Postgres, name: &str) -> Result<Self, StoreError> {
+        let options = connect_options(settings, name)?;
         let pool = PgPoolOptions::new()
             .max_connections(settings.max_connections)
             .acquire_timeout(settings.connect_timeout)
@@ -272,16 +278,20 @@ fn safe(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(sql.clone())
 }
 
-fn connect_options(settings: &config::Postgres) -> Result<PgConnectOptions, StoreError> {
+fn connect_options(
+    settings: &config::Postgres,
+    name: &str,
+) -> Result<PgConnectOptions, StoreError> {
+    let timeout = settings.statement_timeout.as_millis().to_string();
     let mut options = PgConnectOptions::from_str(&settings.url)
         .map_err(StoreError::Url)?
-        .application_name("timeoutd")
+        .application_name(name)
         .options([
             ("search_path", settings.schema.clone()),
-            (
-                "statement_timeout",
-                settings.statement_timeout.as_millis().to_string(),
-            ),
+            ("statement_timeout", timeout.clone()),
+            // A scanner frozen mid-batch (SIGSTOP, a dead VM) must not hold its row locks
+            // forever: the server ends the session and the rows become visible again.
+            ("idle_in_transaction_session_timeout", timeout),
         ]);
     if let Some(ca) = &settings.ca_file {
         options = options.ssl_root_cert(ca);

@@ -75,7 +75,10 @@ fn stays_passive_while_settling_even_when_lowest() {
     e.step(t0 + MS, heard(id(1)));
     e.tick(t0 + Duration::from_millis(999));
     assert_eq!(e.role(), Role::Passive);
-    assert!(!e.check_lease(t0 + Duration::from_millis(999)));
+    assert_eq!(
+        e.check_lease(t0 + Duration::from_millis(999)),
+        Lease::Demoted
+    );
 }
 
 #[test]
@@ -362,7 +365,11 @@ fn a_pause_longer_than_member_ttl_drops_the_role_and_settles_again() {
     assert_eq!(e.role(), Role::Active);
     drain(&mut e);
     let resumed = t0 + Duration::from_secs(1) + Duration::from_millis(3001);
-    assert!(!e.check_lease(resumed), "stale lease must not commit");
+    assert_eq!(
+        e.check_lease(resumed),
+        Lease::Stale,
+        "stale lease must not commit"
+    );
     assert_eq!(e.role(), Role::Passive);
     assert!(!e.is_settled());
     let out = drain(&mut e);
@@ -376,13 +383,13 @@ fn a_pause_longer_than_member_ttl_drops_the_role_and_settles_again() {
     assert_eq!(e.role(), Role::Active);
 }
 
-/// Table: (gap since the last tick, lease still held).
+/// Table: (gap since the last tick, lease).
 #[test]
 fn check_lease_accepts_gaps_up_to_member_ttl() {
     let cases = [
-        (Duration::from_millis(250), true),
-        (Duration::from_secs(3), true),
-        (Duration::from_millis(3001), false),
+        (Duration::from_millis(250), Lease::Held),
+        (Duration::from_secs(3), Lease::Held),
+        (Duration::from_millis(3001), Lease::Stale),
     ];
     for (gap, held) in cases {
         let t0 = Instant::now();
@@ -398,7 +405,7 @@ fn passive_node_has_no_lease() {
     let mut e = Election::new(id(5), timing(), t0);
     e.step(t0, heard(id(1)));
     e.tick(t0 + Duration::from_secs(1));
-    assert!(!e.check_lease(t0 + Duration::from_secs(1)));
+    assert_eq!(e.check_lease(t0 + Duration::from_secs(1)), Lease::Demoted);
 }
 
 #[test]
@@ -489,7 +496,7 @@ fn leave_announces_leaving_once_and_ignores_further_input() {
         }]
     );
     assert_eq!(role_changes(&out), vec![(Role::Passive, Reason::Leaving)]);
-    assert!(!e.check_lease(t));
+    assert_eq!(e.check_lease(t), Lease::Demoted);
 }
 
 #[test]

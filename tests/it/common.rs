@@ -371,6 +371,19 @@ impl Proc {
     }
 }
 
+impl Drop for Proc {
+    /// A failing test shows what its daemons said.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+            eprintln!("--- log of node {} (last 40 lines)", self.node_id);
+            for line in log.iter().rev().take(40).rev() {
+                eprintln!("{line}");
+            }
+        }
+    }
+}
+
 async fn collect_log(
     stderr: tokio::process::ChildStderr,
     log: Arc<Mutex<Vec<String>>>,

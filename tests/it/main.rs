@@ -5,6 +5,8 @@ mod cli;
 mod common;
 mod election;
 mod failover;
+mod faults;
 mod firing;
 mod http;
+mod proxy;
 mod unroutable;

@@ -1,0 +1,425 @@
+//! Fault injection against the real services. Each scenario inserts a known set of
+//! expectations, injects its fault while they come due, and counts what matters: lost,
+//! fired early, duplicates (all with the same message_id), and the longest stretch in
+//! which no node claimed the role. One summary line per scenario.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use timeoutd::client::{self, Expectation};
+
+use crate::common::{Inbox, Observer, Proc, World, wait_for, wait_for_async};
+use crate::proxy::{Mode, Proxy};
+
+/// Contract bound for a new active node (member_ttl + tick + settle), plus one announce
+/// interval because the gap is measured between two nodes' periodic claims.
+const MAX_ACTIVE_GAP: Duration = Duration::from_millis(5500);
+
+struct Scenario {
+    name: &'static str,
+    world: World,
+    inbox: Inbox,
+    observer: Observer,
+    deadlines: HashMap<String, DateTime<Utc>>,
+}
+
+#[derive(Debug)]
+struct Summary {
+    rows: usize,
+    lost: usize,
+    early: usize,
+    duplicates: usize,
+    max_active_gap: Duration,
+}
+
+impl Scenario {
+    async fn new(name: &'static str, world: World) -> Self {
+        world.migrate().await;
+        let observer = Observer::new(&world.group).await;
+        Self {
+            name,
+            world,
+            inbox: Inbox::new().await,
+            observer,
+            deadlines: HashMap::new(),
+        }
+    }
+
+    /// `n` rows due evenly from `first` to `first + spread` from now, in one transaction.
+    async fn insert(&mut self, n: usize, first: Duration, spread: Duration) {
+        let start = Utc::now() + chrono::Duration::from_std(first).expect("duration");
+        let mut tx = self.world.pool.begin().await.expect("tx");
+        for i in 0..n {
+            let offset = spread.mul_f64(i as f64 / n as f64);
+            let due = start + chrono::Duration::from_std(offset).expect("duration");
+            let e = Expectation::new(&format!("{}-{i}", self.name), "Reply", &self.inbox.queue)
+                .due_at(due);
+            client::expect(&mut tx, &self.world.schema, &e)
+                .await
+                .expect("insert");
+            self.deadlines.insert(e.id.to_string(), due);
+        }
+        tx.commit().await.expect("commit");
+    }
+
+    async fn wait_firing(&self, at_least: usize) {
+        wait_for(Duration::from_secs(20), "TimeOuts flowing", || {
+            self.inbox.len() >= at_least
+        })
+        .await;
+    }
+
+    /// Wait until every row fired and the table is empty, then count and print.
+    async fn finish(self, since: Instant) -> Summary {
+        let ids: Vec<String> = self.deadlines.keys().cloned().collect();
+        wait_for(Duration::from_secs(60), "every row received", || {
+            let counts = self.inbox.counts();
+            ids.iter().all(|id| counts.contains_key(id))
+        })
+        .await;
+        wait_for_async(Duration::from_secs(20), "table empty", || async {
+            self.world.count("true").await == 0
+        })
+        .await;
+        let summary = self.count(since);
+        println!(
+            "fault={} rows={} lost={} early={} duplicates={} (same message_id) \
+             longest_gap_between_active_claims={:.2}s",
+            self.name,
+            summary.rows,
+            summary.lost,
+            summary.early,
+            summary.duplicates,
+            summary.max_active_gap.as_secs_f64()
+        );
+        assert_eq!(summary.lost, 0, "{summary:?}");
+        assert_eq!(summary.early, 0, "{summary:?}");
+        assert!(summary.max_active_gap <= MAX_ACTIVE_GAP, "{summary:?}");
+        self.world.cleanup().await;
+        summary
+    }
+
+    fn count(&self, since: Instant) -> Summary {
+        let got = self.inbox.all();
+        let mut per_id: HashMap<String, usize> = HashMap::new();
+        let mut early = 0;
+        for r in &got {
+            let id = r.properties.message_id().as_ref().expect("id").to_string();
+            // A duplicate is recognisable only if it carries the same id in both places.
+            assert_eq!(r.body["expectation_id"].as_str(), Some(id.as_str()));
+            if self.deadlines.get(&id).is_some_and(|due| r.at < *due) {
+                early += 1;
+            }
+            *per_id.entry(id).or_default() += 1;
+        }
+        Summary {
+            rows: self.deadlines.len(),
+            lost: self
+                .deadlines
+                .keys()
+                .filter(|id| !per_id.contains_key(*id))
+                .count(),
+            early,
+            duplicates: per_id.values().map(|n| n - 1).sum(),
+            max_active_gap: self.max_active_gap(since),
+        }
+    }
+
+    /// Longest time between two consecutive `active` claims (any node) after `since`.
+    fn max_active_gap(&self, since: Instant) -> Duration {
+        let claims: Vec<Instant> = self
+            .observer
+            .all()
+            .into_iter()
+            .filter(|s| s.a.active)
+            .map(|s| s.at)
+            .collect();
+        let mut last = claims
+            .iter()
+            .copied()
+            .rfind(|t| *t <= since)
+            .unwrap_or(since);
+        let mut gap = Duration::ZERO;
+        for t in claims.into_iter().filter(|t| *t > since) {
+            gap = gap.max(t - last);
+            last = t;
+        }
+        gap.max(Instant::now() - last)
+    }
+}
+
+async fn group_of(world: &World, n: usize) -> Vec<Proc> {
+    let mut procs = Vec::new();
+    for _ in 0..n {
+        procs.push(Proc::spawn(world).await);
+    }
+    procs
+}
+
+/// Index of the node that claimed the role most recently.
+async fn active(s: &Scenario, procs: &[Proc]) -> usize {
+    let mut found = None;
+    wait_for(Duration::from_secs(10), "an active node", || {
+        found = s
+            .observer
+            .all()
+            .into_iter()
+            .rev()
+            .find(|x| x.a.active)
+            .and_then(|x| procs.iter().position(|p| p.node_id == x.a.node_id));
+        found.is_some()
+    })
+    .await;
+    found.expect("active")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_the_active_node_mid_scan() {
+    let mut s = Scenario::new("kill-9", World::new().await).await;
+    let mut procs = group_of(&s.world, 3).await;
+    let i = active(&s, &procs).await;
+    s.insert(3000, Duration::from_secs(1), Duration::from_secs(3))
+        .await;
+    s.wait_firing(200).await;
+    let victim = procs.remove(i);
+    let since = Instant::now();
+    victim.signal("KILL");
+    s.finish(since).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstop_and_sigcont_of_the_active_node() {
+    let mut s = Scenario::new("sigstop", World::new().await).await;
+    let procs = group_of(&s.world, 2).await;
+    let i = active(&s, &procs).await;
+    s.insert(1500, Duration::from_secs(1), Duration::from_secs(5))
+        .await;
+    s.wait_firing(100).await;
+    let since = Instant::now();
+    procs[i].signal("STOP");
+    let other = procs[1 - i].node_id;
+    wait_for(Duration::from_secs(10), "the other node takes over", || {
+        s.observer
+            .first_after(since, |a| a.active && a.node_id == other)
+            .is_some()
+    })
+    .await;
+    // Keep it stopped for longer than member_ttl, so that its view is really stale.
+    while since.elapsed() < Duration::from_millis(3500) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    procs[i].signal("CONT");
+    // Resumed after more than member_ttl: it must notice the pause, not act on it.
+    wait_for(
+        Duration::from_secs(10),
+        "the resumed node notices its pause",
+        || procs[i].logged("view is stale"),
+    )
+    .await;
+    s.finish(since).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_closes_the_active_nodes_connection() {
+    let mut s = Scenario::new("amqp-close", World::new().await).await;
+    let procs = group_of(&s.world, 2).await;
+    let i = active(&s, &procs).await;
+    s.insert(1500, Duration::from_secs(1), Duration::from_secs(4))
+        .await;
+    s.wait_firing(100).await;
+    let since = Instant::now();
+    close_amqp_connection(procs[i].node_id).await;
+    wait_for(Duration::from_secs(15), "reconnected", || {
+        procs[i].logged("reconnected to RabbitMQ") || procs[i].logged("connection lost")
+    })
+    .await;
+    s.finish(since).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_backends_of_the_active_node_terminated() {
+    let mut s = Scenario::new("pg-terminate", World::new().await).await;
+    let procs = group_of(&s.world, 2).await;
+    let i = active(&s, &procs).await;
+    s.insert(1500, Duration::from_secs(1), Duration::from_secs(4))
+        .await;
+    s.wait_firing(100).await;
+    let since = Instant::now();
+    let mut killed = 0;
+    for _ in 0..5 {
+        killed += terminate_backends(&s.world, procs[i].node_id).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(killed > 0, "terminated at least one backend");
+    s.finish(since).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_proxy_cuts_and_refuses_the_broker() {
+    let proxy = Proxy::start("127.0.0.1:5672".parse().expect("addr")).await;
+    let mut world = World::new().await;
+    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
+    world.overrides.push(("TIMEOUTD__AMQP__URL".into(), url));
+    let mut s = Scenario::new("tcp-cut", world).await;
+    let procs = group_of(&s.world, 2).await;
+    active(&s, &procs).await;
+    s.insert(1500, Duration::from_secs(1), Duration::from_secs(5))
+        .await;
+    s.wait_firing(100).await;
+    let since = Instant::now();
+    proxy.set(Mode::Refuse);
+    proxy.cut();
+    let outage = Instant::now();
+    wait_for(Duration::from_secs(10), "both nodes notice", || {
+        procs.iter().all(|p| p.logged("cannot connect to RabbitMQ"))
+    })
+    .await;
+    while outage.elapsed() < Duration::from_millis(1500) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.set(Mode::Pass);
+    wait_for(Duration::from_secs(15), "both reconnect", || {
+        procs.iter().all(|p| p.logged("reconnected to RabbitMQ"))
+    })
+    .await;
+    s.finish(since).await;
+}
+
+/// The "suicidal snail": every byte from the broker arrives 2 s late, so the node's own
+/// announcements come back later than max_lag. It steps down, names the lag, and exits
+/// with code 3 once the lag has lasted max_lag_exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_announcements_lag_steps_down_and_exits() {
+    let proxy = Proxy::start("127.0.0.1:5672".parse().expect("addr")).await;
+    let mut world = World::new().await;
+    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
+    world.overrides.extend([
+        ("TIMEOUTD__AMQP__URL".to_owned(), url),
+        ("TIMEOUTD__ELECTION__MAX_LAG".to_owned(), "1s".to_owned()),
+        (
+            "TIMEOUTD__ELECTION__MAX_LAG_EXIT".to_owned(),
+            "4s".to_owned(),
+        ),
+    ]);
+    world.migrate().await;
+    let observer = Observer::new(&world.group).await;
+    let mut node = Proc::spawn(&world).await;
+    wait_for(Duration::from_secs(10), "active", || {
+        observer.all().iter().any(|s| s.a.active)
+    })
+    .await;
+    proxy.set(Mode::Delay(Duration::from_secs(2)));
+    wait_for(Duration::from_secs(10), "steps down naming the lag", || {
+        node.logged("own announcements arrive too late")
+    })
+    .await;
+    let status = tokio::time::timeout(Duration::from_secs(20), node.child.wait())
+        .await
+        .expect("exits while lagging")
+        .expect("wait");
+    assert_eq!(status.code(), Some(3), "{status:?}");
+    assert!(node.logged("lagging for too long"));
+    println!("fault=lag: stepped down and exited with code 3");
+    world.cleanup().await;
+}
+
+/// SIGTERM in the middle of a large burst: the batch in flight completes (never half
+/// deleted), `leaving` is announced, the process exits 0; every row is either fired and
+/// gone or still there, never both, never twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_large_scan_loses_and_duplicates_nothing() {
+    let mut s = Scenario::new("sigterm-burst", World::new().await).await;
+    s.insert(20_000, Duration::from_millis(500), Duration::ZERO)
+        .await;
+    let observer_since = Instant::now();
+    let mut node = Proc::spawn(&s.world).await;
+    s.wait_firing(1000).await;
+    node.signal("TERM");
+    let status = tokio::time::timeout(Duration::from_secs(15), node.child.wait())
+        .await
+        .expect("exits within the shutdown bound")
+        .expect("wait");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        s.observer
+            .first_after(observer_since, |a| a.leaving && a.node_id == node.node_id)
+            .is_some(),
+        "announced leaving"
+    );
+    // Let in-flight deliveries land before counting: wait until the count stops moving.
+    let mut seen = usize::MAX;
+    wait_for_async(Duration::from_secs(20), "deliveries settle", || {
+        let before = seen;
+        seen = s.inbox.len();
+        async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            before == seen
+        }
+    })
+    .await;
+    let remaining = s.world.count("true").await as usize;
+    let counts = s.inbox.counts();
+    assert!(counts.values().all(|n| *n == 1), "no duplicates");
+    assert_eq!(counts.len() + remaining, 20_000, "fired + remaining = all");
+    let still_there = remaining_ids(&s.world).await;
+    assert!(
+        still_there.iter().all(|id| !counts.contains_key(id)),
+        "none both"
+    );
+    println!(
+        "fault=sigterm-burst rows=20000 fired={} remaining={remaining} duplicates=0 exit=0",
+        counts.len()
+    );
+    s.world.cleanup().await;
+}
+
+async fn remaining_ids(world: &World) -> Vec<String> {
+    let sql = format!("SELECT id::text FROM {}.expected_messages", world.schema);
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .fetch_all(&world.pool)
+        .await
+        .expect("ids")
+}
+
+async fn terminate_backends(world: &World, node: uuid::Uuid) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE application_name = $1",
+    )
+    .bind(format!("timeoutd-{node}"))
+    .fetch_one(&world.pool)
+    .await
+    .expect("terminate")
+}
+
+/// Close the node's AMQP connection from the broker side (`rabbitmqctl`), identified by
+/// its connection name.
+async fn close_amqp_connection(node: uuid::Uuid) {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "--no-table-headers",
+            "list_connections",
+            "pid",
+            "client_properties",
+        ])
+        .output()
+        .await
+        .expect("rabbitmqctl");
+    let name = format!("timeoutd {node}");
+    let listing = String::from_utf8_lossy(&out.stdout);
+    let pid = listing
+        .lines()
+        .find(|l| l.contains(&name))
+        .and_then(|l| l.split('\t').next())
+        .expect("the node's connection")
+        .to_owned();
+    let ok = tokio::process::Command::new("rabbitmqctl")
+        .args(["-q", "close_connection", &pid, "fault injection"])
+        .status()
+        .await
+        .expect("rabbitmqctl")
+        .success();
+    assert!(ok, "close_connection");
+}
