@@ -5,6 +5,7 @@
 //! an await): the node loop feeds it ticks and announcements and carries out its
 //! outputs; the scan loop asks it for the lease right before publishing and committing.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
@@ -288,10 +289,14 @@ async fn sleep_or_stop(stop: &CancellationToken, d: Duration) -> bool {
     }
 }
 
+/// At most one log line per rejection kind per this period.
+const REJECT_LOG_EVERY: Duration = Duration::from_secs(10);
+
 /// The election driver and broker supervisor.
 struct NodeLoop {
     shared: Arc<Shared>,
-    rejected: LogLimiter,
+    /// One limiter per rejection kind, so a flood of one kind cannot hide another.
+    rejected: HashMap<&'static str, LogLimiter>,
     exit: Option<Exit>,
 }
 
@@ -305,7 +310,7 @@ impl NodeLoop {
     fn new(shared: Arc<Shared>) -> Self {
         Self {
             shared,
-            rejected: LogLimiter::new(Duration::from_secs(10)),
+            rejected: HashMap::new(),
             exit: None,
         }
     }
@@ -414,7 +419,11 @@ impl NodeLoop {
         let a = match Announcement::decode(kind, &delivery.data, &settings.election.group) {
             Ok(a) => a,
             Err(e) => {
-                if let Some(suppressed) = self.rejected.allow(now) {
+                let limiter = self
+                    .rejected
+                    .entry(e.kind())
+                    .or_insert_with(|| LogLimiter::new(REJECT_LOG_EVERY));
+                if let Some(suppressed) = limiter.allow(now) {
                     tracing::warn!(reason = e.kind(), suppressed, "dropped announcement: {e}");
                 }
                 return;

@@ -95,6 +95,50 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__HTTP__LISTEN", "localhost", "http.listen"),
         ("TIMEOUTD__LOG__FORMAT", "xml", "format"),
         ("TIMEOUTD__ELECTION__COLOUR", "blue", "colour"),
+        (
+            "TIMEOUTD__AMQP__ANNOUNCE_EXCHANGE",
+            "",
+            "amqp.announce_exchange",
+        ),
+        (
+            "TIMEOUTD__AMQP__CONNECT_TIMEOUT",
+            "0ms",
+            "amqp.connect_timeout",
+        ),
+        (
+            "TIMEOUTD__AMQP__CONFIRM_TIMEOUT",
+            "1h",
+            "postgres.statement_timeout",
+        ),
+        (
+            "TIMEOUTD__POSTGRES__MAX_CONNECTIONS",
+            "0",
+            "postgres.max_connections",
+        ),
+        (
+            "TIMEOUTD__POSTGRES__MIGRATE_ON_START",
+            "maybe",
+            "migrate_on_start",
+        ),
+        (
+            "TIMEOUTD__POSTGRES__STATEMENT_TIMEOUT",
+            "0s",
+            "postgres.statement_timeout",
+        ),
+        (
+            "TIMEOUTD__ELECTION__MEMBER_TTL",
+            "500ms",
+            "election.announce_interval",
+        ),
+        (
+            "TIMEOUTD__ELECTION__MAX_LAG_EXIT",
+            "1s",
+            "election.max_lag_exit",
+        ),
+        ("TIMEOUTD__SCAN__RETRY_MIN", "1h", "scan.retry_min"),
+        ("TIMEOUTD__SCAN__BATCH_SIZE", "100000", "scan.batch_size"),
+        ("TIMEOUTD__BACKOFF__MIN", "1m", "backoff.min"),
+        ("TIMEOUTD__SHUTDOWN__TIMEOUT", "0s", "shutdown.timeout"),
     ];
     for (var, value, key) in cases {
         let err = load(&[(var, value)]).expect_err(var).to_string();
