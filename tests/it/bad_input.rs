@@ -89,7 +89,7 @@ async fn odd_rows_fire_or_stay_visible_as_failing() {
     let inbox = Inbox::on_exchange(&exchange, "#").await;
     let long = "k".repeat(300);
     let to_inbox = |p: &str| Expectation::new(p, "Reply", "pm.timeouts").exchange(&exchange);
-    let fire = vec![
+    let fire = [
         // Empty routing key still matches a '#' binding.
         Expectation::new("empty-key", "Reply", "").exchange(&exchange),
         to_inbox("payload-number").payload(serde_json::json!(42)),
@@ -98,7 +98,7 @@ async fn odd_rows_fire_or_stay_visible_as_failing() {
         to_inbox("payload-null").payload(serde_json::Value::Null),
         to_inbox("ancient").due_at("1970-01-01T00:00:00Z".parse().expect("date")),
     ];
-    let stay_failing = vec![
+    let stay_failing = [
         // Default exchange, no queue named "": returned as unroutable.
         Expectation::new("empty-key-default", "Reply", ""),
         Expectation::new("long-key", "Reply", &long).exchange(&exchange),
