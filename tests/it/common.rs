@@ -362,6 +362,15 @@ impl Proc {
         assert!(ok, "kill -{sig} failed");
     }
 
+    /// Where the daemon serves HTTP, read from its log.
+    pub fn http_addr(&self) -> Option<std::net::SocketAddr> {
+        let log = self.log.lock().expect("lock");
+        log.iter().find_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            v.get("http_addr")?.as_str()?.parse().ok()
+        })
+    }
+
     pub fn logged(&self, needle: &str) -> bool {
         self.log
             .lock()

@@ -286,6 +286,45 @@ async fn tcp_proxy_cuts_and_refuses_the_broker() {
     s.finish(since).await;
 }
 
+/// Postgres unreachable for a while (refused and cut by a proxy): scans fail and are
+/// retried with backoff, the node keeps its role and its announcements, /readyz names
+/// the database, and everything due fires once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_outage_keeps_the_role_and_fires_after() {
+    let proxy = Proxy::start("127.0.0.1:5432".parse().expect("addr")).await;
+    let mut world = World::new().await;
+    let url = format!("postgres://postgres@{}/postgres", proxy.addr);
+    world
+        .overrides
+        .push(("TIMEOUTD__POSTGRES__URL".into(), url));
+    let mut s = Scenario::new("pg-outage", world).await;
+    let node = Proc::spawn(&s.world).await;
+    active(&s, std::slice::from_ref(&node)).await;
+    s.insert(1500, Duration::from_secs(1), Duration::from_secs(5))
+        .await;
+    s.wait_firing(100).await;
+    let since = Instant::now();
+    proxy.set(Mode::Refuse);
+    proxy.cut();
+    wait_for(Duration::from_secs(10), "scan failures logged", || {
+        node.logged("scan failed")
+    })
+    .await;
+    let addr = node.http_addr().expect("http address logged");
+    let (code, body) = crate::http::get(addr, "/readyz").await;
+    assert_eq!(code, 503);
+    assert!(body.contains("postgres"), "{body}");
+    while since.elapsed() < Duration::from_secs(3) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.set(Mode::Pass);
+    assert!(
+        !node.logged("\"role\":\"passive\""),
+        "kept the role through the outage"
+    );
+    s.finish(since).await;
+}
+
 /// The "suicidal snail": every byte from the broker arrives 2 s late, so the node's own
 /// announcements come back later than max_lag. It steps down, names the lag, and exits
 /// with code 3 once the lag has lasted max_lag_exit.
