@@ -8,21 +8,25 @@ WORKDIR /build
 
 # 1. Dependencies only: build a dummy crate with the real manifest and lock
 #    file, so this (slow) layer is cached until Cargo.toml/Cargo.lock change.
+#    The example consumer (the compose demo's `timeoutd-consume`) is built
+#    too; examples may use dev-dependencies, so they are compiled here as well.
 COPY Cargo.toml Cargo.lock build.rs ./
-RUN mkdir -p src migrations config \
+RUN mkdir -p src examples migrations config \
  && echo 'fn main() {}' > src/main.rs \
+ && echo 'fn main() {}' > examples/consume.rs \
  && : > src/lib.rs \
- && cargo build --release --locked --bin timeoutd \
- && rm -rf src
+ && cargo build --release --locked --bin timeoutd --example consume \
+ && rm -rf src examples
 
 # 2. The real sources. COPY keeps the files' original mtimes, which may be
 #    older than the dummy build above, so touch them to force a rebuild.
 COPY src/ src/
+COPY examples/ examples/
 COPY migrations/ migrations/
 COPY config/ config/
-RUN touch src/main.rs src/lib.rs build.rs \
- && cargo build --release --locked --bin timeoutd \
- && strip target/release/timeoutd
+RUN touch src/main.rs src/lib.rs build.rs examples/consume.rs \
+ && cargo build --release --locked --bin timeoutd --example consume \
+ && strip target/release/timeoutd target/release/examples/consume
 
 # ---------------------------------------------------------------------------
 # Runtime
@@ -39,6 +43,8 @@ RUN apt-get update \
       --home-dir /nonexistent --shell /usr/sbin/nologin timeoutd
 
 COPY --from=builder /build/target/release/timeoutd /usr/local/bin/timeoutd
+# Demo only: prints the TimeOuts arriving on a queue (examples/consume.rs).
+COPY --from=builder /build/target/release/examples/consume /usr/local/bin/timeoutd-consume
 COPY --from=builder /build/config/default.toml /etc/timeoutd/default.toml
 
 # Listen on all interfaces inside the container (the built-in default is

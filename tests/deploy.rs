@@ -1,0 +1,475 @@
+//! Static checks of the deployment files: the Kubernetes sidecar example, the
+//! Prometheus alerts, the Grafana dashboard and the compose demo. They must name only
+//! metrics timeoutd exports, configuration keys it knows and endpoints it serves.
+//!
+//! Does not use the timeoutd crate; only `serde_yaml`, `serde_json` and std.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+use serde::Deserialize;
+use serde_yaml::Value;
+
+const K8S: &str = "deploy/kubernetes/sidecar.yaml";
+const ALERTS: &str = "deploy/prometheus/alerts.yaml";
+const DASHBOARD: &str = "deploy/grafana/timeoutd.json";
+
+/// Every metric timeoutd exports (histograms by their base name). Every metric has
+/// the labels `group` and `node_id`.
+const METRICS: [&str; 16] = [
+    "timeoutd_active",
+    "timeoutd_members",
+    "timeoutd_role_changes_total",
+    "timeoutd_timeouts_fired_total",
+    "timeoutd_publish_failures_total",
+    "timeoutd_scan_duration_seconds",
+    "timeoutd_fire_lateness_seconds",
+    "timeoutd_pending_total",
+    "timeoutd_pending_due",
+    "timeoutd_pending_overdue",
+    "timeoutd_pending_failing",
+    "timeoutd_announcements_sent_total",
+    "timeoutd_announcements_received_total",
+    "timeoutd_announcements_rejected_total",
+    "timeoutd_amqp_connected",
+    "timeoutd_postgres_connected",
+];
+const HISTOGRAM_SUFFIXES: [&str; 3] = ["_bucket", "_sum", "_count"];
+const REQUIRED_ALERTS: [&str; 5] = [
+    "TimeoutdNoActiveNode",
+    "TimeoutdSplitBrain",
+    "TimeoutdLatenessHigh",
+    "TimeoutdPublishFailures",
+    "TimeoutdFailingRows",
+];
+const SIDECAR: &str = "timeoutd";
+const HTTP_PORT: u64 = 9464;
+const SIDECAR_ENV: [&str; 3] = [
+    "TIMEOUTD__AMQP__URL",
+    "TIMEOUTD__POSTGRES__URL",
+    "TIMEOUTD__ELECTION__GROUP",
+];
+const SECRET_ENV: [&str; 2] = ["TIMEOUTD__AMQP__URL", "TIMEOUTD__POSTGRES__URL"];
+const ENV_PREFIX: &str = "TIMEOUTD__";
+const DEMO_QUEUE: &str = "demo.timeouts";
+
+// ---------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------
+
+fn read(relative: &str) -> String {
+    let path: PathBuf = [env!("CARGO_MANIFEST_DIR"), relative].iter().collect();
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
+}
+
+/// `value.a.b.c` for `path = ["a", "b", "c"]`, or a panic naming the path.
+fn at<'a>(value: &'a Value, path: &[&str]) -> &'a Value {
+    path.iter().fold(value, |v, key| {
+        v.get(key)
+            .unwrap_or_else(|| panic!("missing {} in {v:?}", path.join(".")))
+    })
+}
+
+fn str_at<'a>(value: &'a Value, path: &[&str]) -> &'a str {
+    let found = at(value, path);
+    found
+        .as_str()
+        .unwrap_or_else(|| panic!("{} is not a string: {found:?}", path.join(".")))
+}
+
+fn u64_at(value: &Value, path: &[&str]) -> u64 {
+    let found = at(value, path);
+    found
+        .as_u64()
+        .unwrap_or_else(|| panic!("{} is not a number: {found:?}", path.join(".")))
+}
+
+/// The metric names an expression mentions, histogram series by their base name.
+fn metrics_in(expr: &str) -> BTreeSet<String> {
+    expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .filter(|token| token.starts_with("timeoutd_"))
+        .map(|token| {
+            HISTOGRAM_SUFFIXES
+                .iter()
+                .find_map(|suffix| token.strip_suffix(suffix))
+                .unwrap_or(token)
+                .to_owned()
+        })
+        .collect()
+}
+
+fn assert_known_metrics(origin: &str, expr: &str) -> BTreeSet<String> {
+    let used = metrics_in(expr);
+    assert!(
+        !used.is_empty(),
+        "{origin}: {expr:?} uses no timeoutd metric"
+    );
+    for name in &used {
+        assert!(
+            METRICS.contains(&name.as_str()),
+            "{origin}: {expr:?} uses {name}, which timeoutd does not export"
+        );
+    }
+    used
+}
+
+/// `(section, key) -> raw value` of config/default.toml, by scanning its lines.
+fn default_toml() -> BTreeMap<(String, String), String> {
+    let unquote = |s: &str| s.trim().trim_matches('"').to_owned();
+    let mut keys = BTreeMap::new();
+    let mut section = String::new();
+    for line in read("config/default.toml").lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = unquote(name);
+        } else if let Some((key, value)) = line.split_once('=') {
+            keys.insert((section.clone(), unquote(key)), unquote(value));
+        }
+    }
+    keys
+}
+
+/// `TIMEOUTD__SECTION__KEY` → `("section", "key")`.
+fn config_key_of_env(name: &str) -> Option<(String, String)> {
+    let (section, key) = name.strip_prefix(ENV_PREFIX)?.split_once("__")?;
+    Some((section.to_lowercase(), key.to_lowercase()))
+}
+
+// ---------------------------------------------------------------------------
+// deploy/kubernetes/sidecar.yaml
+// ---------------------------------------------------------------------------
+
+fn k8s_documents() -> Vec<Value> {
+    let text = read(K8S);
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| Value::deserialize(doc).expect("sidecar.yaml: a document is not valid YAML"))
+        .filter(|doc| !doc.is_null())
+        .collect()
+}
+
+fn k8s_object(docs: &[Value], kind: &str) -> Value {
+    let mut found = docs.iter().filter(|d| str_at(d, &["kind"]) == kind);
+    let object = found.next().cloned();
+    assert!(found.next().is_none(), "{K8S}: more than one {kind}");
+    object.unwrap_or_else(|| panic!("{K8S}: no {kind}"))
+}
+
+fn sidecar(deployment: &Value) -> Value {
+    let containers = at(deployment, &["spec", "template", "spec", "containers"]);
+    let containers = containers.as_sequence().expect("containers is a list");
+    let found = containers.iter().find(|c| str_at(c, &["name"]) == SIDECAR);
+    found
+        .cloned()
+        .unwrap_or_else(|| panic!("{K8S}: no container named {SIDECAR:?}"))
+}
+
+/// The sidecar's env entries by name.
+fn sidecar_env(sidecar: &Value) -> BTreeMap<String, Value> {
+    let env = at(sidecar, &["env"]).as_sequence().expect("env is a list");
+    env.iter()
+        .map(|e| (str_at(e, &["name"]).to_owned(), e.clone()))
+        .collect()
+}
+
+#[test]
+fn k8s_manifest_has_deployment_secret_and_disruption_budget() {
+    let docs = k8s_documents();
+    let deployment = k8s_object(&docs, "Deployment");
+    let pdb = k8s_object(&docs, "PodDisruptionBudget");
+    k8s_object(&docs, "Secret");
+    assert_eq!(u64_at(&deployment, &["spec", "replicas"]), 3);
+    assert_eq!(u64_at(&pdb, &["spec", "maxUnavailable"]), 1);
+    assert_eq!(
+        at(&pdb, &["spec", "selector"]),
+        at(&deployment, &["spec", "selector"]),
+        "the budget covers the deployment's pods"
+    );
+    let containers = at(&deployment, &["spec", "template", "spec", "containers"]);
+    let names: Vec<&str> = containers
+        .as_sequence()
+        .expect("containers is a list")
+        .iter()
+        .map(|c| str_at(c, &["name"]))
+        .collect();
+    assert_eq!(names, ["app", SIDECAR], "an app container and the sidecar");
+}
+
+#[test]
+fn sidecar_probes_the_http_endpoints() {
+    let sidecar = sidecar(&k8s_object(&k8s_documents(), "Deployment"));
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        assert_eq!(str_at(&sidecar, &[probe, "httpGet", "path"]), path);
+        assert_eq!(u64_at(&sidecar, &[probe, "httpGet", "port"]), HTTP_PORT);
+    }
+    let env = sidecar_env(&sidecar);
+    let listen = env
+        .get("TIMEOUTD__HTTP__LISTEN")
+        .map(|e| str_at(e, &["value"]));
+    assert_eq!(listen, Some("0.0.0.0:9464"), "probes and scrapes reach it");
+}
+
+#[test]
+fn pods_are_scraped_on_the_http_port() {
+    let deployment = k8s_object(&k8s_documents(), "Deployment");
+    let annotations = at(
+        &deployment,
+        &["spec", "template", "metadata", "annotations"],
+    );
+    let port = HTTP_PORT.to_string();
+    assert_eq!(str_at(annotations, &["prometheus.io/scrape"]), "true");
+    assert_eq!(str_at(annotations, &["prometheus.io/port"]), port);
+    assert_eq!(str_at(annotations, &["prometheus.io/path"]), "/metrics");
+}
+
+#[test]
+fn sidecar_env_names_config_keys() {
+    let known = default_toml();
+    let env = sidecar_env(&sidecar(&k8s_object(&k8s_documents(), "Deployment")));
+    for required in SIDECAR_ENV {
+        assert!(
+            env.contains_key(required),
+            "{K8S}: sidecar lacks {required}"
+        );
+    }
+    for name in env.keys().filter(|k| k.starts_with(ENV_PREFIX)) {
+        let key = config_key_of_env(name)
+            .unwrap_or_else(|| panic!("{K8S}: {name} is not TIMEOUTD__SECTION__KEY"));
+        assert!(
+            known.contains_key(&key),
+            "{K8S}: {name} names {}.{}, which config/default.toml does not define",
+            key.0,
+            key.1
+        );
+    }
+}
+
+#[test]
+fn sidecar_urls_come_from_the_secret() {
+    let docs = k8s_documents();
+    let secret = k8s_object(&docs, "Secret");
+    let env = sidecar_env(&sidecar(&k8s_object(&docs, "Deployment")));
+    for name in SECRET_ENV {
+        let entry = env.get(name).expect("URL variable present");
+        let reference = at(entry, &["valueFrom", "secretKeyRef"]);
+        assert_eq!(
+            str_at(reference, &["name"]),
+            str_at(&secret, &["metadata", "name"]),
+            "{name}: refers to the Secret of the manifest"
+        );
+        at(&secret, &["stringData", str_at(reference, &["key"])]);
+    }
+}
+
+#[test]
+fn sidecar_runs_as_non_root_on_a_read_only_root() {
+    let sidecar = sidecar(&k8s_object(&k8s_documents(), "Deployment"));
+    let security = at(&sidecar, &["securityContext"]);
+    let flag = |key: &str| at(security, &[key]).as_bool();
+    assert_eq!(flag("runAsNonRoot"), Some(true));
+    assert_eq!(flag("readOnlyRootFilesystem"), Some(true));
+    assert_eq!(flag("allowPrivilegeEscalation"), Some(false));
+    assert_eq!(u64_at(security, &["runAsUser"]), 10001, "the image's user");
+}
+
+#[test]
+fn grace_period_outlasts_the_shutdown_timeout() {
+    let deployment = k8s_object(&k8s_documents(), "Deployment");
+    let grace = u64_at(
+        &deployment,
+        &["spec", "template", "spec", "terminationGracePeriodSeconds"],
+    );
+    let key = ("shutdown".to_owned(), "timeout".to_owned());
+    let timeout = default_toml().get(&key).cloned().expect("shutdown.timeout");
+    let timeout: u64 = timeout
+        .strip_suffix('s')
+        .and_then(|s| s.parse().ok())
+        .expect("shutdown.timeout in whole seconds");
+    assert!(
+        grace > timeout,
+        "grace {grace}s <= shutdown.timeout {timeout}s"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// deploy/prometheus/alerts.yaml
+// ---------------------------------------------------------------------------
+
+fn alert_rules() -> Vec<Value> {
+    let rules: Value = serde_yaml::from_str(&read(ALERTS)).expect("alerts.yaml is not YAML");
+    let groups = at(&rules, &["groups"]).as_sequence().expect("groups list");
+    groups
+        .iter()
+        .flat_map(|g| at(g, &["rules"]).as_sequence().expect("rules list").clone())
+        .collect()
+}
+
+#[test]
+fn alerts_cover_the_failure_modes() {
+    let rules = alert_rules();
+    let names: BTreeSet<&str> = rules.iter().map(|r| str_at(r, &["alert"])).collect();
+    for required in REQUIRED_ALERTS {
+        assert!(names.contains(required), "{ALERTS}: no alert {required}");
+    }
+    for rule in &rules {
+        let name = str_at(rule, &["alert"]);
+        for path in [
+            &["for"][..],
+            &["labels", "severity"],
+            &["annotations", "summary"],
+        ] {
+            assert!(!str_at(rule, path).is_empty(), "{name}: empty {path:?}");
+        }
+    }
+}
+
+#[test]
+fn alert_exprs_use_known_metrics() {
+    for rule in alert_rules() {
+        let origin = format!("{ALERTS}: {}", str_at(&rule, &["alert"]));
+        assert_known_metrics(&origin, str_at(&rule, &["expr"]));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// deploy/grafana/timeoutd.json
+// ---------------------------------------------------------------------------
+
+fn dashboard() -> serde_json::Value {
+    serde_json::from_str(&read(DASHBOARD)).expect("timeoutd.json is not JSON")
+}
+
+/// All panels, those nested in rows included.
+fn panels(dashboard: &serde_json::Value) -> Vec<serde_json::Value> {
+    let mut all = Vec::new();
+    let mut todo = vec![dashboard.clone()];
+    while let Some(node) = todo.pop() {
+        for panel in node["panels"].as_array().into_iter().flatten() {
+            all.push(panel.clone());
+            todo.push(panel.clone());
+        }
+    }
+    all
+}
+
+#[test]
+fn dashboard_has_datasource_and_group_variables() {
+    let dashboard = dashboard();
+    assert_eq!(dashboard["schemaVersion"], 39);
+    let variables = dashboard["templating"]["list"]
+        .as_array()
+        .expect("templating.list");
+    let variable = |name: &str| variables.iter().find(|v| v["name"] == name).cloned();
+    let datasource = variable("DS_PROMETHEUS").expect("a DS_PROMETHEUS variable");
+    assert_eq!(datasource["type"], "datasource");
+    assert_eq!(datasource["query"], "prometheus");
+    let group = variable("group").expect("a group variable");
+    assert_eq!(
+        group["query"]["query"],
+        "label_values(timeoutd_active, group)"
+    );
+}
+
+#[test]
+fn dashboard_panel_ids_are_unique() {
+    let mut seen = BTreeSet::new();
+    for panel in panels(&dashboard()) {
+        let id = panel["id"].as_u64().expect("every panel has a numeric id");
+        assert!(seen.insert(id), "panel id {id} used twice");
+    }
+}
+
+#[test]
+fn dashboard_queries_use_known_metrics_and_show_them_all() {
+    let mut shown = BTreeSet::new();
+    for panel in panels(&dashboard()) {
+        let title = panel["title"].as_str().unwrap_or("?").to_owned();
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            assert_eq!(target["datasource"]["uid"], "${DS_PROMETHEUS}", "{title}");
+            let expr = target["expr"].as_str().expect("a target has an expr");
+            assert!(expr.contains("group=~\"$group\""), "{title}: {expr:?}");
+            shown.extend(assert_known_metrics(&format!("{DASHBOARD}: {title}"), expr));
+        }
+    }
+    let missing: Vec<_> = METRICS.iter().filter(|m| !shown.contains(**m)).collect();
+    assert!(missing.is_empty(), "no panel shows {missing:?}");
+}
+
+// ---------------------------------------------------------------------------
+// docker-compose.yml demo and Dockerfile
+// ---------------------------------------------------------------------------
+
+fn compose_service(name: &str) -> Value {
+    let mut compose: Value =
+        serde_yaml::from_str(&read("docker-compose.yml")).expect("docker-compose.yml is YAML");
+    compose.apply_merge().expect("merge keys apply");
+    at(&compose, &["services", name]).clone()
+}
+
+/// A service's `command` as one string (list items joined by spaces).
+fn command_of(service: &Value) -> String {
+    match at(service, &["command"]) {
+        Value::Sequence(items) => items
+            .iter()
+            .map(|i| i.as_str().expect("command items are strings"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        other => other.as_str().expect("command is a string").to_owned(),
+    }
+}
+
+fn depends_condition<'a>(service: &'a Value, on: &str) -> &'a str {
+    str_at(service, &["depends_on", on, "condition"])
+}
+
+#[test]
+fn demo_producer_registers_expectations_for_the_demo_queue() {
+    let producer = compose_service("demo-producer");
+    let command = command_of(&producer);
+    assert!(command.contains("timeoutd expect"), "{command}");
+    assert!(command.contains(&format!("--routing-key {DEMO_QUEUE}")));
+    assert_eq!(depends_condition(&producer, "postgres"), "service_healthy");
+    assert_eq!(
+        depends_condition(&producer, "timeoutd-1"),
+        "service_healthy"
+    );
+}
+
+#[test]
+fn demo_consumer_reads_the_demo_queue() {
+    let consumer = compose_service("demo-consumer");
+    let entrypoint = at(&consumer, &["entrypoint"]).as_sequence();
+    let program = entrypoint.and_then(|e| e.first()).and_then(Value::as_str);
+    assert_eq!(program, Some("timeoutd-consume"));
+    assert_eq!(command_of(&consumer), DEMO_QUEUE);
+    assert_eq!(depends_condition(&consumer, "rabbitmq"), "service_healthy");
+}
+
+#[test]
+fn demo_services_env_vars_name_config_keys() {
+    let known = default_toml();
+    for name in ["demo-producer", "demo-consumer"] {
+        let env = at(&compose_service(name), &["environment"]).clone();
+        let env = env.as_mapping().expect("environment is a mapping").clone();
+        for var in env.keys().filter_map(Value::as_str) {
+            if var.starts_with(ENV_PREFIX) {
+                let key = config_key_of_env(var).expect("TIMEOUTD__SECTION__KEY");
+                assert!(known.contains_key(&key), "{name}: {var} is no config key");
+            }
+        }
+    }
+}
+
+#[test]
+fn dockerfile_installs_the_demo_consumer() {
+    let dockerfile = read("Dockerfile");
+    assert!(
+        dockerfile.contains("--example consume"),
+        "builds the example"
+    );
+    assert!(
+        dockerfile.contains("/examples/consume /usr/local/bin/timeoutd-consume"),
+        "installs it as timeoutd-consume"
+    );
+}
