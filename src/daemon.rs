@@ -28,6 +28,7 @@ use crate::bus::Bus;
 use crate::config::Settings;
 use crate::election::{Election, Lease, Output, Role};
 use crate::http;
+use crate::metrics::Metrics;
 use crate::scan::{BatchOutcome, Scanner};
 use crate::store::Store;
 use crate::telemetry::LogLimiter;
@@ -81,8 +82,14 @@ pub struct Probe {
     node_beat: AtomicU64,
     scan_beat: AtomicU64,
     stall_after: Duration,
+    /// "Overdue" in the pending gauges means due for longer than this.
+    tick: Duration,
     store: Store,
+    pub metrics: Metrics,
 }
+
+/// Bound on the database round trips of `/readyz` and `/metrics`.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl Probe {
     pub fn snapshot(&self) -> Snapshot {
@@ -113,13 +120,26 @@ impl Probe {
         None
     }
 
+    /// Refresh the pending gauges (bounded); false when Postgres did not answer.
+    pub async fn refresh_pending(&self) -> bool {
+        let counts =
+            tokio::time::timeout(PROBE_TIMEOUT, self.store.pending_counts(self.tick)).await;
+        match counts {
+            Ok(Ok(c)) => {
+                self.metrics.set_pending(c);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Readiness: `Some(reason)` unless connected to both services and settled.
     pub async fn not_ready(&self) -> Option<String> {
         let s = self.snapshot();
         if !s.bus_connected {
             return Some("rabbitmq: not connected".into());
         }
-        if let Err(e) = self.store.ping(Duration::from_secs(1)).await {
+        if let Err(e) = self.store.ping(PROBE_TIMEOUT).await {
             return Some(format!("postgres: {e}"));
         }
         if !s.settled {
@@ -213,7 +233,9 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         node_beat: AtomicU64::new(0),
         scan_beat: AtomicU64::new(0),
         stall_after: 2 * (s.amqp.connect_timeout + s.postgres.statement_timeout + s.backoff.max),
+        tick: s.election.tick,
         store: store.clone(),
+        metrics: Metrics::new(&settings.election.group, node_id),
     });
     let stop = shutdown.child_token();
     let http_addr = http::serve(settings.http_listen()?, probe.clone(), stop.clone())
@@ -307,6 +329,10 @@ enum Ended {
 }
 
 impl NodeLoop {
+    fn metrics(&self) -> &Metrics {
+        &self.shared.probe.metrics
+    }
+
     fn new(shared: Arc<Shared>) -> Self {
         Self {
             shared,
@@ -336,9 +362,11 @@ impl NodeLoop {
             first = false;
             self.shared.bus.send_replace(Some(bus.clone()));
             self.shared.update_status(|s| s.bus_connected = true);
+            self.metrics().amqp_connected.store(1, Ordering::Relaxed);
             let ended = self.serve(&bus, consumer).await;
             self.shared.bus.send_replace(None);
             self.shared.update_status(|s| s.bus_connected = false);
+            self.metrics().amqp_connected.store(0, Ordering::Relaxed);
             match ended {
                 Ended::Stop => {
                     self.leave(&bus).await;
@@ -419,6 +447,7 @@ impl NodeLoop {
         let a = match Announcement::decode(kind, &delivery.data, &settings.election.group) {
             Ok(a) => a,
             Err(e) => {
+                self.metrics().rejected(e.kind());
                 let limiter = self
                     .rejected
                     .entry(e.kind())
@@ -429,6 +458,11 @@ impl NodeLoop {
                 return;
             }
         };
+        self.metrics().received(match (a.leaving, a.probe) {
+            (true, _) => "leaving",
+            (_, true) => "probe",
+            _ => "announce",
+        });
         let mut election = self.shared.election();
         election.step(now, a.heard());
         if a.node_id == self.shared.node_id && !a.leaving {
@@ -446,6 +480,9 @@ impl NodeLoop {
             let outputs: Vec<Output> = std::iter::from_fn(|| e.poll_output()).collect();
             (outputs, members_view(&e))
         };
+        self.metrics()
+            .members
+            .store(snapshot.3.len() as u64, Ordering::Relaxed);
         self.shared.update_status(|s| {
             (s.role, s.settled, s.lowest, s.members) = snapshot;
         });
@@ -485,6 +522,10 @@ impl NodeLoop {
                 let members: Vec<String> = members.iter().map(Uuid::to_string).collect();
                 tracing::info!(node_id = %self.shared.node_id, %role, %reason, ?members, "role changed");
                 self.shared.role.send_replace(role);
+                let m = self.metrics();
+                m.role_changes.fetch_add(1, Ordering::Relaxed);
+                m.active
+                    .store(u64::from(role == Role::Active), Ordering::Relaxed);
             }
             Output::BusSilent { for_ } => tracing::warn!(
                 silent_for = ?for_,
@@ -600,6 +641,14 @@ async fn drain(
 }
 
 fn record(shared: &Shared, outcome: &BatchOutcome) {
+    let metrics = &shared.probe.metrics;
+    if outcome.locked > 0 && !outcome.lease_lost {
+        metrics.scanned(outcome.duration, &outcome.lateness);
+        outcome
+            .failure_reasons
+            .iter()
+            .for_each(|r| metrics.publish_failed(r));
+    }
     if outcome.lease_lost {
         tracing::warn!(
             locked = outcome.locked,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get;
 use tokio::net::TcpListener;
@@ -27,6 +27,7 @@ pub async fn serve(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/status", get(status))
+        .route("/metrics", get(metrics))
         .with_state(probe);
     tokio::spawn(async move {
         let server = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
@@ -53,6 +54,18 @@ async fn readyz(State(probe): State<Arc<Probe>>) -> Response {
 
 async fn status(State(probe): State<Arc<Probe>>) -> Json<crate::daemon::Snapshot> {
     Json(probe.snapshot())
+}
+
+/// Connection state and pending counts are measured at scrape time (bounded), so the
+/// numbers are fresh and nothing polls the database between scrapes.
+async fn metrics(State(probe): State<Arc<Probe>>) -> Response {
+    let postgres_ok = probe.refresh_pending().await;
+    let body = probe.metrics.render(postgres_ok);
+    let content_type = [(
+        header::CONTENT_TYPE,
+        "text/plain; version=0.0.4; charset=utf-8",
+    )];
+    (StatusCode::OK, content_type, body).into_response()
 }
 
 fn unavailable(reason: &str) -> Response {

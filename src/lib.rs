@@ -11,6 +11,7 @@ pub mod config;
 pub mod daemon;
 pub mod election;
 pub mod http;
+pub mod metrics;
 pub mod scan;
 pub mod store;
 pub mod telemetry;

@@ -56,6 +56,8 @@ pub struct BatchOutcome {
     pub duration: Duration,
     /// Lateness of each fired row (fire time minus deadline).
     pub lateness: Vec<Duration>,
+    /// Why each kept row failed (`PublishError::reason`), for the metrics.
+    pub failure_reasons: Vec<&'static str>,
 }
 
 /// Settings of the scan that do not change while running.
@@ -92,7 +94,8 @@ impl Scanner {
             outcome.duration = started.elapsed();
             return Ok(outcome);
         }
-        let (fired, failures) = self.publish(bus, &rows).await?;
+        let (fired, failed) = self.publish(bus, &rows).await?;
+        let (failures, reasons): (Vec<Failure>, Vec<&'static str>) = failed.into_iter().unzip();
         store.delete(&mut tx, &fired).await?;
         store.record_failures(&mut tx, &failures).await?;
         if lease() == Lease::Stale {
@@ -102,6 +105,7 @@ impl Scanner {
             tx.commit().await.map_err(StoreError::from)?;
             outcome.fired = fired.len();
             outcome.failed = failures.len();
+            outcome.failure_reasons = reasons;
             outcome.lateness = lateness(&rows, &fired);
         }
         outcome.duration = started.elapsed();
@@ -113,7 +117,7 @@ impl Scanner {
         &self,
         bus: &Bus,
         rows: &[DueRow],
-    ) -> Result<(Vec<Uuid>, Vec<Failure>), BusError> {
+    ) -> Result<(Vec<Uuid>, Vec<(Failure, &'static str)>), BusError> {
         let mut messages = Vec::with_capacity(rows.len());
         let mut invalid = Vec::new();
         for row in rows {
@@ -140,17 +144,18 @@ impl Scanner {
         Ok((fired, failures))
     }
 
-    fn failure(&self, row: &DueRow, error: &PublishError) -> Failure {
+    fn failure(&self, row: &DueRow, error: &PublishError) -> (Failure, &'static str) {
         let attempts = u32::try_from(row.attempts).unwrap_or(0);
         tracing::warn!(
             id = %row.id, exchange = %row.exchange, routing_key = %row.routing_key,
             attempts = attempts + 1, reason = error.reason(), "TimeOut not published: {error}"
         );
-        Failure {
+        let failure = Failure {
             id: row.id,
             error: error.to_string(),
             delay: backoff::exponential(self.retry_min, self.retry_max, attempts),
-        }
+        };
+        (failure, error.reason())
     }
 }
 

@@ -3,7 +3,9 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::common::{World, wait_for_async};
+use timeoutd::client::Expectation;
+
+use crate::common::{Inbox, World, wait_for, wait_for_async};
 
 /// A plain HTTP/1.1 GET: (status code, body).
 pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
@@ -63,5 +65,86 @@ async fn not_ready_without_rabbitmq_names_the_side() {
     assert!(body.contains("rabbitmq"), "{body}");
     assert_eq!(get(node.http_addr, "/healthz").await.0, 200);
     node.stop().await;
+    world.cleanup().await;
+}
+
+fn metric(text: &str, name_and_labels_prefix: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name_and_labels_prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// /metrics and /status over HTTP follow a role change (a second node takes over when the
+/// first leaves) and count fired TimeOuts and publish failures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_status_follow_role_changes_and_firing() {
+    let world = World::new().await;
+    world.migrate().await;
+    let inbox = Inbox::new().await;
+    let first = world.start().await;
+    wait_for(Duration::from_secs(5), "first active", || {
+        *first.role.borrow() == timeoutd::election::Role::Active
+    })
+    .await;
+    let second = world.start().await;
+    let (a, b) = (first.http_addr, second.http_addr);
+    for i in 0..3 {
+        world
+            .expect(&Expectation::new(&format!("m-{i}"), "Reply", &inbox.queue))
+            .await;
+    }
+    world
+        .expect(&Expectation::new(
+            "nowhere",
+            "Reply",
+            &format!("no-queue-{}", world.group),
+        ))
+        .await;
+    wait_for(Duration::from_secs(10), "three TimeOuts", || {
+        inbox.len() == 3
+    })
+    .await;
+    let active_one = if first.node_id < second.node_id { a } else { b };
+    wait_for_async(Duration::from_secs(10), "fired counted", || async {
+        let (_, text) = get(active_one, "/metrics").await;
+        metric(&text, "timeoutd_timeouts_fired_total{").unwrap_or(0.0) >= 3.0
+            && text.contains("reason=\"returned\"")
+    })
+    .await;
+    let (code, text) = get(active_one, "/metrics").await;
+    assert_eq!(code, 200);
+    for family in [
+        "timeoutd_active{",
+        "timeoutd_members{",
+        "timeoutd_scan_duration_seconds_bucket{",
+        "timeoutd_fire_lateness_seconds_count{",
+        "timeoutd_announcements_received_total{",
+        "timeoutd_pending_failing{",
+        "timeoutd_amqp_connected{",
+        "timeoutd_postgres_connected{",
+    ] {
+        assert!(text.contains(family), "{family} missing:\n{text}");
+    }
+    assert_eq!(metric(&text, "timeoutd_active{"), Some(1.0));
+    assert_eq!(metric(&text, "timeoutd_members{"), Some(2.0));
+    assert_eq!(metric(&text, "timeoutd_pending_failing{"), Some(1.0));
+    // The active one leaves: the other's /metrics and /status show the takeover.
+    let (leaver, stayer) = if first.node_id < second.node_id {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    leaver.stop().await;
+    let addr = stayer.http_addr;
+    wait_for_async(Duration::from_secs(5), "takeover visible", || async {
+        let (_, text) = get(addr, "/metrics").await;
+        let (_, status) = get(addr, "/status").await;
+        metric(&text, "timeoutd_active{") == Some(1.0)
+            && metric(&text, "timeoutd_role_changes_total{").unwrap_or(0.0) >= 1.0
+            && status.contains("\"role\":\"active\"")
+    })
+    .await;
+    stayer.stop().await;
     world.cleanup().await;
 }
