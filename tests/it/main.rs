@@ -7,4 +7,5 @@ mod election;
 mod failover;
 mod firing;
 mod http;
+mod tls;
 mod unroutable;
