@@ -216,6 +216,8 @@ impl Settings {
             100,
         )?;
         self.http_listen()?;
+        check_ca_file("amqp.ca_file", self.amqp.ca_file.as_deref())?;
+        check_ca_file("postgres.ca_file", self.postgres.ca_file.as_deref())?;
         Ok(())
     }
 
@@ -381,6 +383,23 @@ fn check_identifier(key: &str, s: &str) -> Result<(), ConfigError> {
 fn check_name(key: &str, s: &str) -> Result<(), ConfigError> {
     if s.is_empty() || s.len() > 255 {
         return Err(ConfigError::invalid(key, "must be 1 to 255 bytes"));
+    }
+    Ok(())
+}
+
+/// A CA file, when set, must be readable now and hold at least one PEM certificate: the
+/// TLS libraries would otherwise skip it at connect time, or fail much later.
+fn check_ca_file(key: &str, path: Option<&Path>) -> Result<(), ConfigError> {
+    let Some(path) = path else {
+        return Ok(());
+    };
+    let pem = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::invalid(key, format!("cannot read {}: {e}", path.display())))?;
+    if !pem.contains("-----BEGIN CERTIFICATE-----") {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{} holds no PEM certificate", path.display()),
+        ));
     }
     Ok(())
 }

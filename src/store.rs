@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgSslMode};
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
@@ -295,6 +295,10 @@ fn connect_options(
         ]);
     if let Some(ca) = &settings.ca_file {
         options = options.ssl_root_cert(ca);
+        // As libpq: given a root certificate, `require` also verifies the chain.
+        if matches!(options.get_ssl_mode(), PgSslMode::Require) {
+            options = options.ssl_mode(PgSslMode::VerifyCa);
+        }
     }
     Ok(options)
 }

@@ -66,6 +66,35 @@ fn a_file_overrides_defaults_and_env_overrides_the_file() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// A CA file must exist and hold a PEM certificate; either key is checked.
+#[test]
+fn ca_files_must_hold_a_pem_certificate() {
+    let dir = std::env::temp_dir().join(format!("timeoutd-ca-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let good = dir.join("ca.pem");
+    std::fs::write(
+        &good,
+        "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+    )
+    .expect("write");
+    let bad = dir.join("ca.der");
+    std::fs::write(&bad, "not a certificate").expect("write");
+    let (good, bad) = (good.to_str().expect("utf-8"), bad.to_str().expect("utf-8"));
+    for (var, key) in [
+        ("TIMEOUTD__AMQP__CA_FILE", "amqp.ca_file"),
+        ("TIMEOUTD__POSTGRES__CA_FILE", "postgres.ca_file"),
+    ] {
+        let s = load(&[(var, good)]).expect("a PEM file is accepted");
+        assert!(s.amqp.ca_file.is_some() || s.postgres.ca_file.is_some());
+        let err = load(&[(var, bad)]).expect_err(var).to_string();
+        assert!(
+            err.contains(key) && err.contains("no PEM certificate"),
+            "{err}"
+        );
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// Table: (env var, value, key the error must name).
 #[test]
 fn invalid_values_are_refused_naming_the_key() {
@@ -139,6 +168,16 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__SCAN__BATCH_SIZE", "100000", "scan.batch_size"),
         ("TIMEOUTD__BACKOFF__MIN", "1m", "backoff.min"),
         ("TIMEOUTD__SHUTDOWN__TIMEOUT", "0s", "shutdown.timeout"),
+        (
+            "TIMEOUTD__AMQP__CA_FILE",
+            "/nonexistent/ca.pem",
+            "amqp.ca_file",
+        ),
+        (
+            "TIMEOUTD__POSTGRES__CA_FILE",
+            "/nonexistent/ca.pem",
+            "postgres.ca_file",
+        ),
     ];
     for (var, value, key) in cases {
         let err = load(&[(var, value)]).expect_err(var).to_string();

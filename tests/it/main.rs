@@ -10,4 +10,5 @@ mod faults;
 mod firing;
 mod http;
 mod proxy;
+mod tls;
 mod unroutable;
