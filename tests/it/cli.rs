@@ -102,3 +102,47 @@ async fn expect_command_fires_one_timeout_through_the_daemon_binary() {
     drop(daemon);
     world.cleanup().await;
 }
+
+/// `pending` counts and lists failing rows with their error, and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_shows_failing_rows_without_touching_them() {
+    let world = World::new().await;
+    world.migrate().await;
+    let stuck = timeoutd::client::Expectation::new("stuck", "Reply", "k")
+        .exchange("no-such-exchange-anywhere");
+    world.expect(&stuck).await;
+    let later =
+        timeoutd::client::Expectation::new("later", "Reply", "k").due_in(Duration::from_secs(3600));
+    world.expect(&later).await;
+    let node = world.start().await;
+    crate::common::wait_for_async(Duration::from_secs(10), "failure recorded", || async {
+        world.count("attempts > 0").await == 1
+    })
+    .await;
+    node.stop().await;
+    let out = timeoutd(&world, &["pending", "--failing", "--json"], &[]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["counts"]["pending"], 2, "{v}");
+    assert_eq!(v["counts"]["failing"], 1, "{v}");
+    assert_eq!(v["counts"]["due"], 1, "{v}");
+    assert_eq!(v["rows"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v["rows"][0]["process_id"], "stuck");
+    assert!(
+        v["rows"][0]["last_error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("does not exist")
+    );
+    let text = timeoutd(&world, &["pending"], &[]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("pending 2") && text.contains("failing 1"),
+        "{text}"
+    );
+    assert_eq!(
+        world.count("attempts = 1").await,
+        1,
+        "pending changed nothing"
+    );
+    world.cleanup().await;
+}

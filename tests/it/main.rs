@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod cli;
+mod client;
 mod common;
 mod election;
 mod failover;
