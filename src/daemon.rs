@@ -29,7 +29,7 @@ use crate::config::Settings;
 use crate::election::{Election, Lease, Output, Role};
 use crate::http;
 use crate::metrics::Metrics;
-use crate::scan::{BatchOutcome, Scanner};
+use crate::scheduler;
 use crate::store::Store;
 use crate::telemetry::LogLimiter;
 
@@ -80,7 +80,7 @@ pub struct Probe {
     started: Instant,
     status: RwLock<Snapshot>,
     node_beat: AtomicU64,
-    scan_beat: AtomicU64,
+    pub(crate) scan_beat: AtomicU64,
     stall_after: Duration,
     /// "Overdue" in the pending gauges means due for longer than this.
     tick: Duration,
@@ -103,7 +103,7 @@ impl Probe {
         f(&mut self.status.write().unwrap_or_else(|e| e.into_inner()));
     }
 
-    fn beat(&self, which: &AtomicU64) {
+    pub(crate) fn beat(&self, which: &AtomicU64) {
         let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         which.store(ms, Ordering::Relaxed);
     }
@@ -178,29 +178,29 @@ impl Handle {
 }
 
 /// Everything both loops share.
-struct Shared {
-    settings: Settings,
-    node_id: Uuid,
-    election: Mutex<Election>,
-    role: watch::Sender<Role>,
-    bus: watch::Sender<Option<Arc<Bus>>>,
-    probe: Arc<Probe>,
-    store: Store,
-    stop: CancellationToken,
+pub(crate) struct Shared {
+    pub(crate) settings: Settings,
+    pub(crate) node_id: Uuid,
+    pub(crate) election: Mutex<Election>,
+    pub(crate) role: watch::Sender<Role>,
+    pub(crate) bus: watch::Sender<Option<Arc<Bus>>>,
+    pub(crate) probe: Arc<Probe>,
+    pub(crate) store: Store,
+    pub(crate) stop: CancellationToken,
 }
 
 impl Shared {
-    fn election(&self) -> MutexGuard<'_, Election> {
+    pub(crate) fn election(&self) -> MutexGuard<'_, Election> {
         // The election has no invariant a panicking holder could break half-way.
         self.election.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn update_status(&self, f: impl FnOnce(&mut Snapshot)) {
+    pub(crate) fn update_status(&self, f: impl FnOnce(&mut Snapshot)) {
         self.probe.update(f);
     }
 
     /// Re-check the lease right before acting (see `Election::check_lease`).
-    fn lease(&self) -> Lease {
+    pub(crate) fn lease(&self) -> Lease {
         self.election().check_lease(Instant::now())
     }
 }
@@ -268,7 +268,7 @@ async fn run(shared: Arc<Shared>) -> Exit {
     if shared.settings.postgres.migrate_on_start && !migrate(&shared).await {
         return Exit::Stopped;
     }
-    let scanner = tokio::spawn(scan_loop(shared.clone()));
+    let scanner = tokio::spawn(scheduler::scan_loop(shared.clone()));
     let (exit, bus) = NodeLoop::new(shared.clone()).run().await;
     shared.stop.cancel();
     let limit = shared.settings.shutdown.timeout;
@@ -304,7 +304,7 @@ async fn migrate(shared: &Shared) -> bool {
 }
 
 /// Sleep unless stopped first; false when stopped.
-async fn sleep_or_stop(stop: &CancellationToken, d: Duration) -> bool {
+pub(crate) async fn sleep_or_stop(stop: &CancellationToken, d: Duration) -> bool {
     tokio::select! {
         _ = stop.cancelled() => false,
         _ = tokio::time::sleep(d) => true,
@@ -568,109 +568,4 @@ fn members_view(e: &Election) -> MembersView {
         })
         .collect();
     (e.role(), e.is_settled(), e.lowest(), members)
-}
-
-/// While active: scan every tick, batch after batch while batches come back full.
-async fn scan_loop(shared: Arc<Shared>) {
-    let settings = &shared.settings;
-    let scanner = Scanner {
-        node_id: shared.node_id,
-        batch_size: settings.scan.batch_size,
-        retry_min: settings.scan.retry_min,
-        retry_max: settings.scan.retry_max,
-    };
-    let mut role = shared.role.subscribe();
-    let mut bus = shared.bus.subscribe();
-    let mut backoff = Backoff::new(settings.backoff.min, settings.backoff.max);
-    loop {
-        shared.probe.beat(&shared.probe.scan_beat);
-        if *role.borrow_and_update() != Role::Active {
-            // Wake at least every tick so the liveness heartbeat keeps moving.
-            tokio::select! {
-                _ = shared.stop.cancelled() => return,
-                _ = role.changed() => {},
-                _ = tokio::time::sleep(settings.election.tick) => {},
-            }
-            continue;
-        }
-        let current = bus.borrow_and_update().clone();
-        let pause = match current {
-            None => settings.election.tick,
-            Some(bus) => match drain(&shared, &scanner, &bus).await {
-                Ok(()) => {
-                    backoff.reset();
-                    settings.election.tick
-                }
-                Err(e) => {
-                    let delay = backoff.next_delay();
-                    tracing::error!(error = %e, retry_in = ?delay, "scan failed, rolled back");
-                    shared.update_status(|s| s.database_ok = Some(!is_db_error(&e)));
-                    delay
-                }
-            },
-        };
-        tokio::select! {
-            _ = shared.stop.cancelled() => return,
-            _ = tokio::time::sleep(pause) => {},
-            _ = bus.changed() => {},
-        }
-    }
-}
-
-fn is_db_error(e: &crate::scan::ScanError) -> bool {
-    matches!(e, crate::scan::ScanError::Store(_))
-}
-
-/// Run batches until one comes back short, the lease is lost, or we are stopping. A batch
-/// already started is never interrupted: it commits or rolls back as a whole.
-async fn drain(
-    shared: &Shared,
-    scanner: &Scanner,
-    bus: &Bus,
-) -> Result<(), crate::scan::ScanError> {
-    loop {
-        let outcome = scanner
-            .run_batch(&shared.store, bus, || shared.lease())
-            .await?;
-        record(shared, &outcome);
-        let full = outcome.locked >= scanner.batch_size as usize;
-        if !full || outcome.lease_lost || shared.stop.is_cancelled() {
-            return Ok(());
-        }
-    }
-}
-
-fn record(shared: &Shared, outcome: &BatchOutcome) {
-    let metrics = &shared.probe.metrics;
-    if outcome.locked > 0 && !outcome.lease_lost {
-        metrics.scanned(outcome.duration, &outcome.lateness);
-        outcome
-            .failure_reasons
-            .iter()
-            .for_each(|r| metrics.publish_failed(r));
-    }
-    if outcome.lease_lost {
-        tracing::warn!(
-            locked = outcome.locked,
-            "lease lost before commit: batch rolled back"
-        );
-    } else if outcome.locked > 0 {
-        let max_late = outcome.lateness.iter().max().copied().unwrap_or_default();
-        tracing::info!(
-            fired = outcome.fired, failed = outcome.failed, duration = ?outcome.duration,
-            max_lateness = ?max_late, "fired TimeOuts"
-        );
-    }
-    shared.update_status(|s| {
-        s.database_ok = Some(true);
-        if outcome.locked > 0 && !outcome.lease_lost {
-            s.fired_total += outcome.fired as u64;
-            s.last_scan = Some(ScanStatus {
-                at: Utc::now(),
-                duration_ms: outcome.duration.as_secs_f64() * 1000.0,
-                fired: outcome.fired,
-                failed: outcome.failed,
-            });
-        }
-    });
 }

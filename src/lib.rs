@@ -13,5 +13,6 @@ pub mod election;
 pub mod http;
 pub mod metrics;
 pub mod scan;
+pub mod scheduler;
 pub mod store;
 pub mod telemetry;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgSslMode};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgSslMode};
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
@@ -81,6 +81,7 @@ pub enum PendingFilter {
 #[derive(Debug, Clone)]
 struct Sql {
     lock_due: Arc<str>,
+    next_due: Arc<str>,
     delete: Arc<str>,
     fail: Arc<str>,
     counts: Arc<str>,
@@ -105,6 +106,12 @@ impl Sql {
                  payload, attempts, clock_timestamp() AS fired_at \
                  FROM {t} WHERE {due} <= now() ORDER BY {due} LIMIT $1 \
                  FOR UPDATE SKIP LOCKED"
+            )
+            .into(),
+            // Seconds from now (database clock) to the earliest deadline: one index probe.
+            next_due: format!(
+                "SELECT extract(epoch FROM ({due} - now()))::float8 FROM {t} \
+                 ORDER BY {due} LIMIT 1"
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = ANY($1)").into(),
@@ -193,6 +200,30 @@ impl Store {
             .fetch_all(tx)
             .await?;
         Ok(rows)
+    }
+
+    /// Time until the earliest deadline by the database's clock (negative when rows are
+    /// due, e.g. locked by another scan); `None` for an empty table. An infinite deadline
+    /// reads as `None` too.
+    pub async fn next_due_in(&self) -> Result<Option<f64>, StoreError> {
+        let secs: Option<Option<f64>> = sqlx::query_scalar(safe(&self.sql.next_due))
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(secs.flatten().filter(|s| s.is_finite()))
+    }
+
+    /// The channel the migrations' trigger notifies on new or moved deadlines.
+    pub fn notify_channel(&self) -> String {
+        let mut channel = format!("timeoutd_{}", self.schema);
+        channel.truncate(63);
+        channel
+    }
+
+    /// A listener on [`Store::notify_channel`] (one pooled connection, held).
+    pub async fn listener(&self) -> Result<PgListener, StoreError> {
+        let mut listener = PgListener::connect_with(&self.pool).await?;
+        listener.listen(&self.notify_channel()).await?;
+        Ok(listener)
     }
 
     /// Delete the rows whose TimeOut was confirmed.

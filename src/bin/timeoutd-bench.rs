@@ -703,7 +703,7 @@ async fn analyze(env: &Env) -> Result<()> {
 // ---------------------------------------------------------------------------------------
 // The daemon as a child process.
 
-/// One "fired TimeOuts" log line of the daemon.
+/// One "fired batch" (debug) log line of the daemon.
 #[derive(Debug, Clone)]
 struct BatchLog {
     at: DateTime<Utc>,
@@ -751,7 +751,7 @@ impl DaemonLog {
             "role changed" => self
                 .active
                 .store(field("role") == "active", Ordering::Release),
-            "fired TimeOuts" => self.batch(&v),
+            "fired batch" => self.batch(&v),
             _ => {}
         }
     }
@@ -812,7 +812,10 @@ impl Daemon {
         let mut cmd = Command::new(&env.daemon_bin);
         cmd.arg("run")
             .envs(env.daemon_env())
-            .env("RUST_LOG", "warn,timeoutd::daemon=info")
+            .env(
+                "RUST_LOG",
+                "warn,timeoutd::daemon=info,timeoutd::scheduler=debug",
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -121,3 +121,43 @@ fn check_contract(r: &crate::common::Received, node: uuid::Uuid, queue: &str) {
     assert_eq!(process, format!("proc-{n}"));
     assert_eq!(b["payload"]["nested"]["ok"], true);
 }
+
+/// With a long tick, a row inserted while the node sleeps still fires at its deadline:
+/// the insert's NOTIFY wakes the node, which then sleeps exactly until the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_deadline_wakes_the_node_before_its_tick() {
+    let mut world = World::new().await;
+    world.overrides.extend(
+        [
+            ("TIMEOUTD__ELECTION__TICK", "4s"),
+            ("TIMEOUTD__ELECTION__ANNOUNCE_INTERVAL", "5s"),
+            ("TIMEOUTD__ELECTION__MEMBER_TTL", "15s"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned())),
+    );
+    world.migrate().await;
+    let inbox = Inbox::new().await;
+    let node = world.start().await;
+    wait_for(Duration::from_secs(10), "node active", || {
+        *node.role.borrow() == Role::Active
+    })
+    .await;
+    // Active on an empty table: the node now sleeps for a whole tick unless woken.
+    let due = Utc::now() + chrono::Duration::milliseconds(700);
+    let inserted = Instant::now();
+    world
+        .expect(&Expectation::new("woken", "Reply", &inbox.queue).due_at(due))
+        .await;
+    wait_for(Duration::from_secs(10), "the TimeOut", || inbox.len() == 1).await;
+    let took = inserted.elapsed();
+    let got = inbox.all();
+    assert!(got[0].at >= due, "fired before its deadline");
+    // Well before the 4 s tick: the wakeup came from the deadline, not the tick.
+    assert!(took < Duration::from_secs(2), "fired after {took:?}");
+    println!(
+        "woken by NOTIFY: fired {:?} after its deadline",
+        (got[0].at - due).to_std().unwrap_or_default()
+    );
+    node.stop().await;
+    world.cleanup().await;
+}

@@ -106,10 +106,18 @@ async fn metrics_and_status_follow_role_changes_and_firing() {
     })
     .await;
     let active_one = if first.node_id < second.node_id { a } else { b };
+    // Both nodes may have fired some (the lower one takes over once settled).
     wait_for_async(Duration::from_secs(10), "fired counted", || async {
+        let (_, ta) = get(a, "/metrics").await;
+        let (_, tb) = get(b, "/metrics").await;
+        let fired = |t: &str| metric(t, "timeoutd_timeouts_fired_total{").unwrap_or(0.0);
+        fired(&ta) + fired(&tb) >= 3.0 && (ta + &tb).contains("reason=\"returned\"")
+    })
+    .await;
+    wait_for_async(Duration::from_secs(10), "two members", || async {
         let (_, text) = get(active_one, "/metrics").await;
-        metric(&text, "timeoutd_timeouts_fired_total{").unwrap_or(0.0) >= 3.0
-            && text.contains("reason=\"returned\"")
+        metric(&text, "timeoutd_members{") == Some(2.0)
+            && metric(&text, "timeoutd_active{") == Some(1.0)
     })
     .await;
     let (code, text) = get(active_one, "/metrics").await;

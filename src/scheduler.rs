@@ -1,0 +1,220 @@
+//! When to scan. While active, the scan loop runs batches until one comes back short,
+//! then sleeps until the earliest pending deadline (never longer than a tick), and is
+//! woken early by Postgres `NOTIFY` when a new, earlier deadline is inserted. Rows are
+//! still only fired when the database's `now()` has passed them, so waking early or late
+//! never fires early.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use tokio::sync::Notify;
+
+use crate::backoff::Backoff;
+use crate::bus::Bus;
+use crate::daemon::{ScanStatus, Shared, sleep_or_stop};
+use crate::election::Role;
+use crate::scan::{BatchOutcome, ScanError, Scanner};
+
+/// How often the per-batch activity is summarised at info level.
+const SUMMARY_EVERY: Duration = Duration::from_secs(1);
+
+/// The scan loop of one node (runs for the daemon's whole life; idle while passive).
+pub(crate) async fn scan_loop(shared: Arc<Shared>) {
+    let settings = &shared.settings;
+    let scanner = Scanner {
+        node_id: shared.node_id,
+        batch_size: settings.scan.batch_size,
+        retry_min: settings.scan.retry_min,
+        retry_max: settings.scan.retry_max,
+    };
+    let wake = Arc::new(Notify::new());
+    let listener = tokio::spawn(listen(shared.clone(), wake.clone()));
+    let mut role = shared.role.subscribe();
+    let mut bus = shared.bus.subscribe();
+    let mut backoff = Backoff::new(settings.backoff.min, settings.backoff.max);
+    let mut summary = Summary::new();
+    loop {
+        shared.probe.beat(&shared.probe.scan_beat);
+        if *role.borrow_and_update() != Role::Active {
+            // Wake at least every tick so the liveness heartbeat keeps moving.
+            tokio::select! {
+                _ = shared.stop.cancelled() => break,
+                _ = role.changed() => {},
+                _ = tokio::time::sleep(settings.election.tick) => {},
+            }
+            continue;
+        }
+        let current = bus.borrow_and_update().clone();
+        let pause = match current {
+            None => settings.election.tick,
+            Some(bus) => match drain(&shared, &scanner, &bus, &mut summary).await {
+                Ok(()) => {
+                    backoff.reset();
+                    next_wake(&shared).await
+                }
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::error!(error = %e, retry_in = ?delay, "scan failed, rolled back");
+                    let db = matches!(e, ScanError::Store(_));
+                    shared.update_status(|s| s.database_ok = Some(!db));
+                    delay
+                }
+            },
+        };
+        tokio::select! {
+            _ = shared.stop.cancelled() => break,
+            _ = tokio::time::sleep(pause) => {},
+            _ = wake.notified() => {},
+            _ = bus.changed() => {},
+        }
+    }
+    summary.flush();
+    listener.abort();
+}
+
+/// How long to sleep: until the earliest deadline, at most one tick. A deadline already
+/// past after a short batch means those rows are locked by another scan (or backing
+/// off): wait a tick rather than spin.
+async fn next_wake(shared: &Shared) -> Duration {
+    let tick = shared.settings.election.tick;
+    match shared.store.next_due_in().await {
+        Ok(Some(secs)) if secs > 0.0 => {
+            // Rounded up by a millisecond so the database's now() has passed it.
+            Duration::from_secs_f64(secs + 0.001).min(tick)
+        }
+        _ => tick,
+    }
+}
+
+/// Forward the trigger's notifications to the scan loop; reconnect with backoff.
+async fn listen(shared: Arc<Shared>, wake: Arc<Notify>) {
+    let s = &shared.settings;
+    let mut backoff = Backoff::new(s.backoff.min, s.backoff.max);
+    loop {
+        let mut listener = match shared.store.listener().await {
+            Ok(l) => l,
+            Err(e) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = %e, retry_in = ?delay, "cannot LISTEN; scanning every tick meanwhile");
+                if !sleep_or_stop(&shared.stop, delay).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        backoff.reset();
+        loop {
+            let next = tokio::select! {
+                _ = shared.stop.cancelled() => return,
+                n = listener.try_recv() => n,
+            };
+            match next {
+                Ok(Some(_)) => wake.notify_one(),
+                // Reconnected: notifications in the gap are lost, so look once now.
+                Ok(None) => wake.notify_one(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "LISTEN connection failed");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Run batches until one comes back short, the lease is lost, or we are stopping. A batch
+/// already started is never interrupted: it commits or rolls back as a whole.
+async fn drain(
+    shared: &Shared,
+    scanner: &Scanner,
+    bus: &Bus,
+    summary: &mut Summary,
+) -> Result<(), ScanError> {
+    loop {
+        let outcome = scanner
+            .run_batch(&shared.store, bus, || shared.lease())
+            .await?;
+        record(shared, &outcome, summary);
+        let full = outcome.locked >= scanner.batch_size as usize;
+        if !full || outcome.lease_lost || shared.stop.is_cancelled() {
+            return Ok(());
+        }
+    }
+}
+
+fn record(shared: &Shared, outcome: &BatchOutcome, summary: &mut Summary) {
+    shared.update_status(|s| s.database_ok = Some(true));
+    if outcome.lease_lost {
+        tracing::warn!(locked = outcome.locked, "lease lost: batch rolled back");
+        return;
+    }
+    if outcome.locked == 0 {
+        return;
+    }
+    let metrics = &shared.probe.metrics;
+    metrics.scanned(outcome.duration, &outcome.lateness);
+    outcome
+        .failure_reasons
+        .iter()
+        .for_each(|r| metrics.publish_failed(r));
+    tracing::debug!(
+        fired = outcome.fired, failed = outcome.failed, duration = ?outcome.duration,
+        "fired batch"
+    );
+    summary.add(outcome);
+    shared.update_status(|s| {
+        s.fired_total += outcome.fired as u64;
+        s.last_scan = Some(ScanStatus {
+            at: Utc::now(),
+            duration_ms: outcome.duration.as_secs_f64() * 1000.0,
+            fired: outcome.fired,
+            failed: outcome.failed,
+        });
+    });
+}
+
+/// Batches add up to one info line per second, not one per batch: with deadline-driven
+/// wakeups a busy node runs hundreds of small batches a second.
+struct Summary {
+    since: Instant,
+    batches: usize,
+    fired: usize,
+    failed: usize,
+    busy: Duration,
+    max_lateness: Duration,
+}
+
+impl Summary {
+    fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            batches: 0,
+            fired: 0,
+            failed: 0,
+            busy: Duration::ZERO,
+            max_lateness: Duration::ZERO,
+        }
+    }
+
+    fn add(&mut self, o: &BatchOutcome) {
+        self.batches += 1;
+        self.fired += o.fired;
+        self.failed += o.failed;
+        self.busy += o.duration;
+        let late = o.lateness.iter().max().copied().unwrap_or_default();
+        self.max_lateness = self.max_lateness.max(late);
+        if self.since.elapsed() >= SUMMARY_EVERY {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        if self.batches > 0 {
+            tracing::info!(
+                fired = self.fired, failed = self.failed, batches = self.batches,
+                duration = ?self.busy, max_lateness = ?self.max_lateness, "fired TimeOuts"
+            );
+        }
+        *self = Self::new();
+    }
+}
