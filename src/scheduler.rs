@@ -49,9 +49,9 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
         let pause = match current {
             None => settings.election.tick,
             Some(bus) => match drain(&shared, &scanner, &bus, &mut summary).await {
-                Ok(()) => {
+                Ok(locked) => {
                     backoff.reset();
-                    next_wake(&shared).await
+                    next_wake(&shared, locked > 0).await
                 }
                 Err(e) => {
                     let delay = backoff.next_delay();
@@ -74,15 +74,15 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
 }
 
 /// How long to sleep: until the earliest deadline, at most one tick. A deadline already
-/// past after a short batch means those rows are locked by another scan (or backing
-/// off): wait a tick rather than spin.
-async fn next_wake(shared: &Shared) -> Duration {
+/// past is usually a row that came due while the last batch ran: scan again at once. But
+/// if the last scan found nothing to lock, such rows are held by another scan: wait a
+/// tick rather than spin.
+async fn next_wake(shared: &Shared, scanned_some: bool) -> Duration {
     let tick = shared.settings.election.tick;
     match shared.store.next_due_in().await {
-        Ok(Some(secs)) if secs > 0.0 => {
-            // Rounded up by a millisecond so the database's now() has passed it.
-            Duration::from_secs_f64(secs + 0.001).min(tick)
-        }
+        // Rounded up by a millisecond so the database's now() has passed it.
+        Ok(Some(secs)) if secs > 0.0 => Duration::from_secs_f64(secs + 0.001).min(tick),
+        Ok(Some(_)) if scanned_some => Duration::ZERO,
         _ => tick,
     }
 }
@@ -122,22 +122,25 @@ async fn listen(shared: Arc<Shared>, wake: Arc<Notify>) {
     }
 }
 
-/// Run batches until one comes back short, the lease is lost, or we are stopping. A batch
-/// already started is never interrupted: it commits or rolls back as a whole.
+/// Run batches until one comes back short, the lease is lost, or we are stopping; returns
+/// how many rows were locked. A batch already started is never interrupted: it commits or
+/// rolls back as a whole.
 async fn drain(
     shared: &Shared,
     scanner: &Scanner,
     bus: &Bus,
     summary: &mut Summary,
-) -> Result<(), ScanError> {
+) -> Result<usize, ScanError> {
+    let mut locked = 0;
     loop {
         let outcome = scanner
             .run_batch(&shared.store, bus, || shared.lease())
             .await?;
         record(shared, &outcome, summary);
+        locked += outcome.locked;
         let full = outcome.locked >= scanner.batch_size as usize;
         if !full || outcome.lease_lost || shared.stop.is_cancelled() {
-            return Ok(());
+            return Ok(locked);
         }
     }
 }
