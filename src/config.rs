@@ -100,6 +100,7 @@ pub struct Election {
 #[serde(deny_unknown_fields)]
 pub struct Scan {
     pub batch_size: u32,
+    pub concurrency: u32,
     #[serde(with = "humantime_serde")]
     pub retry_min: Duration,
     #[serde(with = "humantime_serde")]
@@ -209,6 +210,13 @@ impl Settings {
         }
         self.validate_durations()?;
         check_range("scan.batch_size", self.scan.batch_size, 1, 10_000)?;
+        check_range("scan.concurrency", self.scan.concurrency, 1, 16)?;
+        if self.scan.concurrency + 2 > self.postgres.max_connections {
+            return Err(ConfigError::invalid(
+                "postgres.max_connections",
+                "must be at least scan.concurrency + 2 (one LISTEN connection, one for probes)",
+            ));
+        }
         check_range(
             "postgres.max_connections",
             self.postgres.max_connections,

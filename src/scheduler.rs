@@ -122,24 +122,30 @@ async fn listen(shared: Arc<Shared>, wake: Arc<Notify>) {
     }
 }
 
-/// Run batches until one comes back short, the lease is lost, or we are stopping; returns
-/// how many rows were locked. A batch already started is never interrupted: it commits or
-/// rolls back as a whole.
+/// Run rounds of `scan.concurrency` batches at once (SKIP LOCKED gives each its own
+/// rows, and one batch publishes while another awaits its confirms) until a round comes
+/// back short, the lease is lost, or we are stopping; returns how many rows were locked.
+/// A batch already started is never interrupted: it commits or rolls back as a whole.
 async fn drain(
     shared: &Shared,
     scanner: &Scanner,
     bus: &Bus,
     summary: &mut Summary,
 ) -> Result<usize, ScanError> {
+    let parallel = shared.settings.scan.concurrency as usize;
     let mut locked = 0;
     loop {
-        let outcome = scanner
-            .run_batch(&shared.store, bus, || shared.lease())
-            .await?;
-        record(shared, &outcome, summary);
-        locked += outcome.locked;
-        let full = outcome.locked >= scanner.batch_size as usize;
-        if !full || outcome.lease_lost || shared.stop.is_cancelled() {
+        let round = (0..parallel).map(|_| scanner.run_batch(&shared.store, bus, || shared.lease()));
+        let mut full = false;
+        let mut lost = false;
+        for outcome in futures_util::future::join_all(round).await {
+            let outcome = outcome?;
+            record(shared, &outcome, summary);
+            locked += outcome.locked;
+            full |= outcome.locked >= scanner.batch_size as usize;
+            lost |= outcome.lease_lost;
+        }
+        if !full || lost || shared.stop.is_cancelled() {
             return Ok(locked);
         }
     }
