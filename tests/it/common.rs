@@ -349,6 +349,15 @@ impl Proc {
         }
     }
 
+    /// `n` daemons of one world, started one after the other.
+    pub async fn group(world: &World, n: usize) -> Vec<Self> {
+        let mut procs = Vec::new();
+        for _ in 0..n {
+            procs.push(Self::spawn(world).await);
+        }
+        procs
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.id().expect("running") as i32
     }

@@ -4,14 +4,6 @@ use timeoutd::client::Expectation;
 
 use crate::common::{Inbox, Observer, Proc, World, wait_for};
 
-async fn spawn_group(world: &World, n: usize) -> Vec<Proc> {
-    let mut procs = Vec::new();
-    for _ in 0..n {
-        procs.push(Proc::spawn(world).await);
-    }
-    procs
-}
-
 /// Wait until the lowest node claims the role; returns its index.
 async fn active_index(observer: &Observer, procs: &[Proc]) -> usize {
     let lowest = procs.iter().map(|p| p.node_id).min().expect("procs");
@@ -37,7 +29,7 @@ async fn killed_active_node_is_replaced_and_later_rows_fire() {
     world.migrate().await;
     let observer = Observer::new(&world.group).await;
     let inbox = Inbox::new().await;
-    let mut procs = spawn_group(&world, 3).await;
+    let mut procs = Proc::group(&world, 3).await;
     let i = active_index(&observer, &procs).await;
     let dead = procs.remove(i);
     let killed_at = Instant::now();
@@ -95,7 +87,7 @@ async fn graceful_stop_hands_over_within_a_tick() {
     let world = World::new().await;
     world.migrate().await;
     let observer = Observer::new(&world.group).await;
-    let mut procs = spawn_group(&world, 2).await;
+    let mut procs = Proc::group(&world, 2).await;
     let i = active_index(&observer, &procs).await;
     let mut leaver = procs.remove(i);
     let asked = Instant::now();

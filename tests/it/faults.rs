@@ -4,6 +4,7 @@
 //! which no node claimed the role. One summary line per scenario.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -149,12 +150,37 @@ impl Scenario {
     }
 }
 
-async fn group_of(world: &World, n: usize) -> Vec<Proc> {
-    let mut procs = Vec::new();
-    for _ in 0..n {
-        procs.push(Proc::spawn(world).await);
-    }
-    procs
+/// The common opening: `nodes` daemons, an active one (its index returned), `rows`
+/// expectations due from 1 s on over `spread`, and TimeOuts already flowing.
+async fn opened(
+    name: &'static str,
+    world: World,
+    nodes: usize,
+    rows: usize,
+    spread: Duration,
+) -> (Scenario, Vec<Proc>, usize) {
+    let mut s = Scenario::new(name, world).await;
+    let procs = Proc::group(&s.world, nodes).await;
+    let i = active(&s, &procs).await;
+    s.insert(rows, Duration::from_secs(1), spread).await;
+    s.wait_firing(rows / 15).await;
+    (s, procs, i)
+}
+
+fn amqp_url(proxy: SocketAddr) -> String {
+    format!("amqp://guest:guest@{proxy}/%2f")
+}
+
+/// A world whose `var` URL points at a proxy in front of `upstream`.
+async fn behind_proxy(
+    upstream: &str,
+    var: &str,
+    url: impl Fn(SocketAddr) -> String,
+) -> (Proxy, World) {
+    let proxy = Proxy::start(upstream.parse().expect("addr")).await;
+    let mut world = World::new().await;
+    world.overrides.push((var.to_owned(), url(proxy.addr)));
+    (proxy, world)
 }
 
 /// Index of the node that claimed the role most recently.
@@ -176,12 +202,14 @@ async fn active(s: &Scenario, procs: &[Proc]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_active_node_mid_scan() {
-    let mut s = Scenario::new("kill-9", World::new().await).await;
-    let mut procs = group_of(&s.world, 3).await;
-    let i = active(&s, &procs).await;
-    s.insert(3000, Duration::from_secs(1), Duration::from_secs(3))
-        .await;
-    s.wait_firing(200).await;
+    let (s, mut procs, i) = opened(
+        "kill-9",
+        World::new().await,
+        3,
+        3000,
+        Duration::from_secs(3),
+    )
+    .await;
     let victim = procs.remove(i);
     let since = Instant::now();
     victim.signal("KILL");
@@ -190,12 +218,14 @@ async fn kill_9_of_the_active_node_mid_scan() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_and_sigcont_of_the_active_node() {
-    let mut s = Scenario::new("sigstop", World::new().await).await;
-    let procs = group_of(&s.world, 2).await;
-    let i = active(&s, &procs).await;
-    s.insert(1500, Duration::from_secs(1), Duration::from_secs(5))
-        .await;
-    s.wait_firing(100).await;
+    let (s, procs, i) = opened(
+        "sigstop",
+        World::new().await,
+        2,
+        1500,
+        Duration::from_secs(5),
+    )
+    .await;
     let since = Instant::now();
     procs[i].signal("STOP");
     let other = procs[1 - i].node_id;
@@ -222,12 +252,14 @@ async fn sigstop_and_sigcont_of_the_active_node() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_closes_the_active_nodes_connection() {
-    let mut s = Scenario::new("amqp-close", World::new().await).await;
-    let procs = group_of(&s.world, 2).await;
-    let i = active(&s, &procs).await;
-    s.insert(1500, Duration::from_secs(1), Duration::from_secs(4))
-        .await;
-    s.wait_firing(100).await;
+    let (s, procs, i) = opened(
+        "amqp-close",
+        World::new().await,
+        2,
+        1500,
+        Duration::from_secs(4),
+    )
+    .await;
     let since = Instant::now();
     close_amqp_connection(procs[i].node_id).await;
     wait_for(Duration::from_secs(15), "reconnected", || {
@@ -239,12 +271,14 @@ async fn rabbitmq_closes_the_active_nodes_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_backends_of_the_active_node_terminated() {
-    let mut s = Scenario::new("pg-terminate", World::new().await).await;
-    let procs = group_of(&s.world, 2).await;
-    let i = active(&s, &procs).await;
-    s.insert(1500, Duration::from_secs(1), Duration::from_secs(4))
-        .await;
-    s.wait_firing(100).await;
+    let (s, procs, i) = opened(
+        "pg-terminate",
+        World::new().await,
+        2,
+        1500,
+        Duration::from_secs(4),
+    )
+    .await;
     let since = Instant::now();
     let mut killed = 0;
     for _ in 0..5 {
@@ -257,16 +291,8 @@ async fn postgres_backends_of_the_active_node_terminated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_proxy_cuts_and_refuses_the_broker() {
-    let proxy = Proxy::start("127.0.0.1:5672".parse().expect("addr")).await;
-    let mut world = World::new().await;
-    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
-    world.overrides.push(("TIMEOUTD__AMQP__URL".into(), url));
-    let mut s = Scenario::new("tcp-cut", world).await;
-    let procs = group_of(&s.world, 2).await;
-    active(&s, &procs).await;
-    s.insert(1500, Duration::from_secs(1), Duration::from_secs(5))
-        .await;
-    s.wait_firing(100).await;
+    let (proxy, world) = behind_proxy("127.0.0.1:5672", "TIMEOUTD__AMQP__URL", amqp_url).await;
+    let (s, procs, _) = opened("tcp-cut", world, 2, 1500, Duration::from_secs(5)).await;
     let since = Instant::now();
     proxy.set(Mode::Refuse);
     proxy.cut();
@@ -291,18 +317,10 @@ async fn tcp_proxy_cuts_and_refuses_the_broker() {
 /// the database, and everything due fires once it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_outage_keeps_the_role_and_fires_after() {
-    let proxy = Proxy::start("127.0.0.1:5432".parse().expect("addr")).await;
-    let mut world = World::new().await;
-    let url = format!("postgres://postgres@{}/postgres", proxy.addr);
-    world
-        .overrides
-        .push(("TIMEOUTD__POSTGRES__URL".into(), url));
-    let mut s = Scenario::new("pg-outage", world).await;
-    let node = Proc::spawn(&s.world).await;
-    active(&s, std::slice::from_ref(&node)).await;
-    s.insert(1500, Duration::from_secs(1), Duration::from_secs(5))
-        .await;
-    s.wait_firing(100).await;
+    let pg_url = |a| format!("postgres://postgres@{a}/postgres");
+    let (proxy, world) = behind_proxy("127.0.0.1:5432", "TIMEOUTD__POSTGRES__URL", pg_url).await;
+    let (s, procs, _) = opened("pg-outage", world, 1, 1500, Duration::from_secs(5)).await;
+    let node = &procs[0];
     let since = Instant::now();
     proxy.set(Mode::Refuse);
     proxy.cut();
@@ -330,11 +348,8 @@ async fn postgres_outage_keeps_the_role_and_fires_after() {
 /// with code 3 once the lag has lasted max_lag_exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_announcements_lag_steps_down_and_exits() {
-    let proxy = Proxy::start("127.0.0.1:5672".parse().expect("addr")).await;
-    let mut world = World::new().await;
-    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
+    let (proxy, mut world) = behind_proxy("127.0.0.1:5672", "TIMEOUTD__AMQP__URL", amqp_url).await;
     world.overrides.extend([
-        ("TIMEOUTD__AMQP__URL".to_owned(), url),
         ("TIMEOUTD__ELECTION__MAX_LAG".to_owned(), "1s".to_owned()),
         (
             "TIMEOUTD__ELECTION__MAX_LAG_EXIT".to_owned(),
