@@ -3,10 +3,13 @@
 //!
 //! Does not use the timeoutd crate; only `serde_yaml` and std.
 
+mod support;
+
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 
 use serde_yaml::Value;
+
+use support::{assert_env_vars_name_config_keys, compose, read, service};
 
 const REPLICAS: [&str; 3] = ["timeoutd-1", "timeoutd-2", "timeoutd-3"];
 const INFRA: [&str; 2] = ["rabbitmq", "postgres"];
@@ -16,33 +19,10 @@ const REQUIRED_ENV: [&str; 4] = [
     "TIMEOUTD__ELECTION__GROUP",
     "TIMEOUTD__HTTP__LISTEN",
 ];
-const ENV_PREFIX: &str = "TIMEOUTD__";
 
 // ---------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------
-
-fn read(relative: &str) -> String {
-    let path: PathBuf = [env!("CARGO_MANIFEST_DIR"), relative].iter().collect();
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
-}
-
-/// docker-compose.yml as a YAML value, with `<<: *anchor` merge keys applied.
-fn compose() -> Value {
-    let mut value: Value = serde_yaml::from_str(&read("docker-compose.yml"))
-        .expect("docker-compose.yml is not valid YAML");
-    value
-        .apply_merge()
-        .expect("docker-compose.yml: merge keys cannot be applied");
-    value
-}
-
-fn service<'a>(compose: &'a Value, name: &str) -> &'a Value {
-    compose
-        .get("services")
-        .and_then(|services| services.get(name))
-        .unwrap_or_else(|| panic!("docker-compose.yml: service {name:?} is missing"))
-}
 
 /// Names of a service's environment variables; `environment` may be a
 /// mapping (`KEY: value`) or a list (`- KEY=value`).
@@ -60,34 +40,6 @@ fn env_keys(service: &Value) -> BTreeSet<String> {
             .collect(),
         _ => BTreeSet::new(),
     }
-}
-
-/// `TIMEOUTD__SECTION__KEY` → `("section", "key")`.
-fn config_key_of_env(name: &str) -> Option<(String, String)> {
-    let rest = name.strip_prefix(ENV_PREFIX)?;
-    let (section, key) = rest.split_once("__")?;
-    Some((section.to_lowercase(), key.to_lowercase()))
-}
-
-fn unquote(s: &str) -> &str {
-    s.trim().trim_matches('"').trim_matches('\'')
-}
-
-/// `(section, key)` pairs of config/default.toml, by scanning its lines.
-fn default_toml_keys() -> BTreeSet<(String, String)> {
-    let mut keys = BTreeSet::new();
-    let mut section = String::new();
-    for line in read("config/default.toml").lines().map(str::trim) {
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
-            section = unquote(name).to_owned();
-        } else if let Some((key, _value)) = line.split_once('=') {
-            keys.insert((section.clone(), unquote(key).to_owned()));
-        }
-    }
-    keys
 }
 
 /// Dockerfile instructions as `(INSTRUCTION, arguments)`, with `\`
@@ -220,38 +172,19 @@ fn rabbitmq_image_has_management_plugin() {
 // Environment variables name real configuration keys
 // ---------------------------------------------------------------------------
 
-fn assert_names_config_key(origin: &str, env: &str, known: &BTreeSet<(String, String)>) {
-    let key = config_key_of_env(env)
-        .unwrap_or_else(|| panic!("{origin}: {env} is not of the form TIMEOUTD__SECTION__KEY"));
-    assert!(
-        known.contains(&key),
-        "{origin}: {env} names {}.{}, which config/default.toml does not define",
-        key.0,
-        key.1
-    );
-}
-
 #[test]
 fn compose_env_vars_name_config_keys() {
-    let known = default_toml_keys();
     let compose = compose();
     for name in REPLICAS {
         let keys = env_keys(service(&compose, name));
-        for env in keys.iter().filter(|k| k.starts_with(ENV_PREFIX)) {
-            assert_names_config_key(name, env, &known);
-        }
+        assert_env_vars_name_config_keys(name, keys.iter().map(String::as_str));
     }
 }
 
 #[test]
 fn dockerfile_env_vars_name_config_keys() {
-    let known = default_toml_keys();
-    for env in dockerfile_env_keys()
-        .iter()
-        .filter(|k| k.starts_with(ENV_PREFIX))
-    {
-        assert_names_config_key("Dockerfile", env, &known);
-    }
+    let keys = dockerfile_env_keys();
+    assert_env_vars_name_config_keys("Dockerfile", keys.iter().map(String::as_str));
 }
 
 // ---------------------------------------------------------------------------

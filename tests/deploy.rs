@@ -4,11 +4,14 @@
 //!
 //! Does not use the timeoutd crate; only `serde_yaml`, `serde_json` and std.
 
+mod support;
+
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 
 use serde::Deserialize;
 use serde_yaml::Value;
+
+use support::{assert_env_vars_name_config_keys, compose, default_toml, read, service};
 
 const K8S: &str = "deploy/kubernetes/sidecar.yaml";
 const ALERTS: &str = "deploy/prometheus/alerts.yaml";
@@ -50,17 +53,11 @@ const SIDECAR_ENV: [&str; 3] = [
     "TIMEOUTD__ELECTION__GROUP",
 ];
 const SECRET_ENV: [&str; 2] = ["TIMEOUTD__AMQP__URL", "TIMEOUTD__POSTGRES__URL"];
-const ENV_PREFIX: &str = "TIMEOUTD__";
 const DEMO_QUEUE: &str = "demo.timeouts";
 
 // ---------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------
-
-fn read(relative: &str) -> String {
-    let path: PathBuf = [env!("CARGO_MANIFEST_DIR"), relative].iter().collect();
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
-}
 
 /// `value.a.b.c` for `path = ["a", "b", "c"]`, or a panic naming the path.
 fn at<'a>(value: &'a Value, path: &[&str]) -> &'a Value {
@@ -111,30 +108,6 @@ fn assert_known_metrics(origin: &str, expr: &str) -> BTreeSet<String> {
         );
     }
     used
-}
-
-/// `(section, key) -> raw value` of config/default.toml, by scanning its lines.
-fn default_toml() -> BTreeMap<(String, String), String> {
-    let unquote = |s: &str| s.trim().trim_matches('"').to_owned();
-    let mut keys = BTreeMap::new();
-    let mut section = String::new();
-    for line in read("config/default.toml").lines().map(str::trim) {
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
-            section = unquote(name);
-        } else if let Some((key, value)) = line.split_once('=') {
-            keys.insert((section.clone(), unquote(key)), unquote(value));
-        }
-    }
-    keys
-}
-
-/// `TIMEOUTD__SECTION__KEY` → `("section", "key")`.
-fn config_key_of_env(name: &str) -> Option<(String, String)> {
-    let (section, key) = name.strip_prefix(ENV_PREFIX)?.split_once("__")?;
-    Some((section.to_lowercase(), key.to_lowercase()))
 }
 
 // ---------------------------------------------------------------------------
@@ -225,7 +198,6 @@ fn pods_are_scraped_on_the_http_port() {
 
 #[test]
 fn sidecar_env_names_config_keys() {
-    let known = default_toml();
     let env = sidecar_env(&sidecar(&k8s_object(&k8s_documents(), "Deployment")));
     for required in SIDECAR_ENV {
         assert!(
@@ -233,16 +205,7 @@ fn sidecar_env_names_config_keys() {
             "{K8S}: sidecar lacks {required}"
         );
     }
-    for name in env.keys().filter(|k| k.starts_with(ENV_PREFIX)) {
-        let key = config_key_of_env(name)
-            .unwrap_or_else(|| panic!("{K8S}: {name} is not TIMEOUTD__SECTION__KEY"));
-        assert!(
-            known.contains_key(&key),
-            "{K8S}: {name} names {}.{}, which config/default.toml does not define",
-            key.0,
-            key.1
-        );
-    }
+    assert_env_vars_name_config_keys(K8S, env.keys().map(String::as_str));
 }
 
 #[test]
@@ -401,10 +364,7 @@ fn dashboard_queries_use_known_metrics_and_show_them_all() {
 // ---------------------------------------------------------------------------
 
 fn compose_service(name: &str) -> Value {
-    let mut compose: Value =
-        serde_yaml::from_str(&read("docker-compose.yml")).expect("docker-compose.yml is YAML");
-    compose.apply_merge().expect("merge keys apply");
-    at(&compose, &["services", name]).clone()
+    service(&compose(), name).clone()
 }
 
 /// A service's `command` as one string (list items joined by spaces).
@@ -448,16 +408,11 @@ fn demo_consumer_reads_the_demo_queue() {
 
 #[test]
 fn demo_services_env_vars_name_config_keys() {
-    let known = default_toml();
     for name in ["demo-producer", "demo-consumer"] {
-        let env = at(&compose_service(name), &["environment"]).clone();
-        let env = env.as_mapping().expect("environment is a mapping").clone();
-        for var in env.keys().filter_map(Value::as_str) {
-            if var.starts_with(ENV_PREFIX) {
-                let key = config_key_of_env(var).expect("TIMEOUTD__SECTION__KEY");
-                assert!(known.contains_key(&key), "{name}: {var} is no config key");
-            }
-        }
+        let service = compose_service(name);
+        let env = at(&service, &["environment"]).as_mapping();
+        let env = env.expect("environment is a mapping");
+        assert_env_vars_name_config_keys(name, env.keys().filter_map(Value::as_str));
     }
 }
 
