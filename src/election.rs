@@ -219,10 +219,6 @@ impl Election {
         self.phase == Phase::Settled
     }
 
-    pub fn timing(&self) -> Timing {
-        self.timing
-    }
-
     /// The lowest candidate id (settled live members and this node).
     pub fn lowest(&self) -> Uuid {
         self.candidates().next().unwrap_or(self.me).min(self.me)
