@@ -1,4 +1,11 @@
 //! The announcement wire format: encode, decode, validate. Nothing else.
+//!
+//! Body: `{"node_id", "group", "sent_at", "active", "leaving", "probe", "withdrawn"}`.
+//! The booleans default to `false` when absent, so announcements of earlier versions
+//! (without `withdrawn`) still decode, and unknown fields are ignored, so earlier
+//! versions decode ours. A withdrawn node also sets `leaving`: an earlier version drops
+//! it at once instead of waiting for it, a current one keeps it as a member that is
+//! not a candidate.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -22,6 +29,10 @@ pub struct Announcement {
     pub leaving: bool,
     #[serde(default)]
     pub probe: bool,
+    /// The sender is unfit to act (unhealthy or lagging) and is not a candidate; it
+    /// comes with `leaving` for the sake of earlier versions.
+    #[serde(default)]
+    pub withdrawn: bool,
 }
 
 /// Why an incoming announcement was dropped.
@@ -78,6 +89,7 @@ impl Announcement {
             active: self.active,
             leaving: self.leaving,
             probe: self.probe,
+            withdrawn: self.withdrawn,
         }
     }
 }
@@ -101,6 +113,7 @@ mod tests {
             active: true,
             leaving: false,
             probe: false,
+            withdrawn: false,
         }
     }
 
@@ -109,6 +122,30 @@ mod tests {
         let a = sample();
         let back = Announcement::decode(Some(MESSAGE_TYPE), &a.encode(), GROUP);
         assert_eq!(back, Ok(a));
+    }
+
+    #[test]
+    fn a_withdrawn_announcement_roundtrips_and_reaches_the_election() {
+        let a = Announcement {
+            active: false,
+            leaving: true,
+            withdrawn: true,
+            ..sample()
+        };
+        let back = Announcement::decode(Some(MESSAGE_TYPE), &a.encode(), GROUP);
+        assert_eq!(back.as_ref(), Ok(&a));
+        let heard = back.map(|b| b.heard()).expect("decoded");
+        assert!(heard.withdrawn && heard.leaving && !heard.active);
+    }
+
+    /// Earlier versions send no `withdrawn`: such a node is not withdrawn.
+    #[test]
+    fn an_announcement_without_withdrawn_decodes_as_not_withdrawn() {
+        let body = br#"{"node_id": "0f1e2d3c-4b5a-4968-8776-a5b4c3d2e1f0", "group": "g",
+            "sent_at": "2026-11-21T10:00:00.123Z", "active": true, "leaving": false,
+            "probe": false}"#;
+        let a = Announcement::decode(Some(MESSAGE_TYPE), body, GROUP).expect("valid");
+        assert!(a.active && !a.withdrawn && !a.heard().withdrawn);
     }
 
     #[test]

@@ -505,6 +505,7 @@ impl NodeLoop {
                     active: a.active,
                     leaving: a.leaving,
                     probe: a.probe,
+                    withdrawn: a.withdrawn,
                 };
                 if let Err(e) = bus
                     .announce(&msg, self.shared.settings.election.member_ttl)
@@ -542,6 +543,13 @@ impl NodeLoop {
                     "lagging for too long: exiting so the orchestrator restarts us"
                 );
                 self.exit = Some(Exit::Lagging);
+            }
+            Output::Candidacy { candidate, reason } => {
+                if candidate {
+                    tracing::info!(%reason, "rejoining: probing the group");
+                } else {
+                    tracing::warn!(%reason, "withdrawn: not a candidate");
+                }
             }
         }
         true

@@ -15,8 +15,13 @@
 //! - a node re-checks its lease before committing: a monotonic gap larger than
 //!   `member_ttl` since the last tick means it was paused, so it drops to passive and settles
 //!   again instead of acting on a stale view;
-//! - a node whose own announcements come back later than `max_lag` steps down (the
-//!   "suicidal snail"), and asks to exit when the lag persists past `max_lag_exit`.
+//! - a node unfit to act *withdraws*: it stops being a candidate for itself and for
+//!   everyone who hears it, so the group neither waits for it nor hands it the role.
+//!   Causes: its own checks (Postgres, publishing) failing for longer than `member_ttl`,
+//!   or its own announcements coming back later than `max_lag` (the "suicidal snail",
+//!   which also asks to exit when the lag persists past `max_lag_exit`). When the last
+//!   cause clears it rejoins like a newcomer: probe, then settle;
+//! - a probe is answered at the next tick, once, however many probes arrived.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
@@ -82,14 +87,19 @@ pub struct Heard {
     pub active: bool,
     pub leaving: bool,
     pub probe: bool,
+    /// The sender is not a candidate; it stays a member (it still announces).
+    pub withdrawn: bool,
 }
 
 /// An announcement the node must send now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Announce {
     pub active: bool,
+    /// Set on shutdown, and also while withdrawn: nodes of the previous version ignore
+    /// `withdrawn` but drop a leaving sender at once, so they stop waiting for it too.
     pub leaving: bool,
     pub probe: bool,
+    pub withdrawn: bool,
 }
 
 /// Why the role changed (or why the node is worried); logged with every change.
@@ -103,6 +113,10 @@ pub enum Reason {
     Paused(Duration),
     /// Own announcements arrive this late.
     Lagging(Duration),
+    /// Own checks (Postgres, publishing) have been failing for this long.
+    Unhealthy(Duration),
+    /// Every cause of a withdrawal has cleared.
+    Fit,
     /// The connection to the broker was lost.
     BusLost,
     /// The node is shutting down.
@@ -116,6 +130,8 @@ impl fmt::Display for Reason {
             Reason::LowerMember(id) => write!(f, "lower member {id} is live"),
             Reason::Paused(gap) => write!(f, "paused for {gap:?}, view is stale"),
             Reason::Lagging(lag) => write!(f, "own announcements arrive {lag:?} late"),
+            Reason::Unhealthy(d) => write!(f, "own checks failing for {d:?}"),
+            Reason::Fit => f.write_str("own checks pass and announcements are on time"),
             Reason::BusLost => f.write_str("lost the broker connection"),
             Reason::Leaving => f.write_str("shutting down"),
         }
@@ -146,6 +162,11 @@ pub enum Output {
     Exit {
         lag: Duration,
     },
+    /// The node withdrew (`candidate: false`, with the cause) or rejoins (`true`).
+    Candidacy {
+        candidate: bool,
+        reason: Reason,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -154,13 +175,33 @@ struct Member {
     active: bool,
     /// Still settling: not a candidate until it announces without `probe`.
     probing: bool,
+    /// Unfit to act: never a candidate, but still a member until it expires.
+    withdrawn: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
-    Settling { until: Instant },
+    Settling {
+        until: Instant,
+    },
     Settled,
+    /// Unfit to act (see `Causes`); announces `withdrawn` and never takes the role.
+    Withdrawn,
     Leaving,
+}
+
+/// Why a node is withdrawn; it rejoins when none holds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Causes {
+    unhealthy: bool,
+    /// Since when own announcements have been late.
+    lagging_since: Option<Instant>,
+}
+
+impl Causes {
+    fn any(&self) -> bool {
+        self.unhealthy || self.lagging_since.is_some()
+    }
 }
 
 /// A member as seen from this node, for status views.
@@ -170,6 +211,7 @@ pub struct MemberView {
     pub age: Duration,
     pub active: bool,
     pub probing: bool,
+    pub withdrawn: bool,
 }
 
 #[derive(Debug)]
@@ -183,7 +225,9 @@ pub struct Election {
     last_heard: Instant,
     next_announce: Instant,
     silent_warned: bool,
-    lagging_since: Option<Instant>,
+    causes: Causes,
+    /// A probe from another node awaits our answer, sent at the next tick.
+    answer_due: bool,
     outputs: VecDeque<Output>,
 }
 
@@ -200,10 +244,11 @@ impl Election {
             last_heard: now,
             next_announce: now,
             silent_warned: false,
-            lagging_since: None,
+            causes: Causes::default(),
+            answer_due: false,
             outputs: VecDeque::new(),
         };
-        e.start_settling(now);
+        e.settle(now);
         e
     }
 
@@ -219,9 +264,16 @@ impl Election {
         self.phase == Phase::Settled
     }
 
-    /// The lowest candidate id (settled live members and this node).
+    /// Neither withdrawn nor leaving: this node may hold the role once settled.
+    pub fn is_candidate(&self) -> bool {
+        matches!(self.phase, Phase::Settling { .. } | Phase::Settled)
+    }
+
+    /// The lowest candidate id: settled, not withdrawn live members, and this node while
+    /// it is a candidate. This node's id when nobody is a candidate (all withdrawn).
     pub fn lowest(&self) -> Uuid {
-        self.candidates().next().unwrap_or(self.me).min(self.me)
+        let me = self.is_candidate().then_some(self.me);
+        self.lowest_candidate(true, me).unwrap_or(self.me)
     }
 
     pub fn members(&self, now: Instant) -> Vec<MemberView> {
@@ -232,6 +284,7 @@ impl Election {
                 age: now.saturating_duration_since(m.last_seen),
                 active: m.active,
                 probing: m.probing,
+                withdrawn: m.withdrawn,
             })
             .collect()
     }
@@ -241,7 +294,8 @@ impl Election {
         self.outputs.pop_front()
     }
 
-    /// Advance time: detect pauses, expire members, end settling, announce when due.
+    /// Advance time: detect pauses, expire members, end settling, announce when due
+    /// (periodically, or to answer probes heard since the last tick: one send at most).
     pub fn tick(&mut self, now: Instant) {
         if self.phase == Phase::Leaving {
             return;
@@ -259,7 +313,7 @@ impl Election {
             self.queue_announce();
         }
         self.recompute();
-        if now >= self.next_announce {
+        if self.answer_due || now >= self.next_announce {
             self.queue_announce();
         }
     }
@@ -273,25 +327,33 @@ impl Election {
         self.detect_pause(now);
         self.last_heard = now;
         self.silent_warned = false;
-        if heard.leaving {
-            self.members.remove(&heard.from);
-        } else {
-            self.members.insert(
-                heard.from,
-                Member {
-                    last_seen: now,
-                    active: heard.active,
-                    probing: heard.probe,
-                },
-            );
-        }
+        self.remember(now, heard);
         if heard.from != self.me {
-            if heard.probe {
-                self.queue_announce();
-            }
+            // Answered at the next tick, so a flood of probes costs one answer per tick.
+            self.answer_due |= heard.probe;
             self.settle_early_on_active_answer(heard);
         }
         self.recompute();
+    }
+
+    /// The driver's own checks (Postgres usable, TimeOuts publishable), every tick:
+    /// `failing_since` is when they started failing continuously, `None` while they pass.
+    /// Failing for longer than `member_ttl` withdraws the node until they pass again.
+    pub fn observe_health(&mut self, now: Instant, failing_since: Option<Instant>) {
+        if self.phase == Phase::Leaving {
+            return;
+        }
+        let Some(since) = failing_since else {
+            if std::mem::take(&mut self.causes.unhealthy) {
+                self.rejoin_if_fit(now);
+            }
+            return;
+        };
+        let failing = now.saturating_duration_since(since);
+        if failing > self.timing.member_ttl && !self.causes.unhealthy {
+            self.causes.unhealthy = true;
+            self.withdraw(Reason::Unhealthy(failing));
+        }
     }
 
     /// The lag of one of our own announcements (receive minus send, both our clock).
@@ -300,23 +362,24 @@ impl Election {
             return;
         }
         if lag <= self.timing.max_lag {
-            if self.lagging_since.take().is_some() {
+            if self.causes.lagging_since.take().is_some() {
                 self.outputs.push_back(Output::LagRecovered { lag });
+                self.rejoin_if_fit(now);
             }
-            self.recompute();
             return;
         }
-        let since = match self.lagging_since {
+        let since = match self.causes.lagging_since {
             Some(since) => since,
             None => {
                 self.outputs.push_back(Output::Lagging { lag });
-                *self.lagging_since.insert(now)
+                *self.causes.lagging_since.insert(now)
             }
         };
         if now.saturating_duration_since(since) >= self.timing.max_lag_exit {
             self.outputs.push_back(Output::Exit { lag });
         }
-        self.set_role(Role::Passive, Reason::Lagging(lag));
+        // At once, not after `member_ttl`: the group must not wait for a snail.
+        self.withdraw(Reason::Lagging(lag));
     }
 
     /// Re-check the lease right before acting. A pause longer than `member_ttl` since
@@ -353,33 +416,85 @@ impl Election {
             active: false,
             leaving: true,
             probe: false,
+            withdrawn: false,
         }));
     }
 
-    fn start_settling(&mut self, now: Instant) {
+    /// Probe and settle for one announce interval (or until the active node answers).
+    fn settle(&mut self, now: Instant) {
         self.phase = Phase::Settling {
             until: now + self.timing.announce_interval,
         };
-        self.last_tick = now;
-        self.last_heard = now;
         self.queue_announce();
     }
 
     fn detect_pause(&mut self, now: Instant) -> bool {
         let gap = now.saturating_duration_since(self.last_tick);
-        if gap <= self.timing.member_ttl {
+        // A leaving node stops ticking; its gap means nothing and it must not restart.
+        if gap <= self.timing.member_ttl || self.phase == Phase::Leaving {
             return false;
         }
         self.restart(now, Reason::Paused(gap));
         true
     }
 
-    /// Drop the role and the view, probe and settle again.
+    /// Drop the role and the view, probe and settle again; a withdrawn node stays
+    /// withdrawn (its causes are about itself, not about the view) and does not probe.
     fn restart(&mut self, now: Instant, reason: Reason) {
         self.set_role(Role::Passive, reason);
         self.members.clear();
-        self.lagging_since = None;
-        self.start_settling(now);
+        self.last_tick = now;
+        self.last_heard = now;
+        if self.phase == Phase::Withdrawn {
+            self.queue_announce();
+        } else {
+            self.settle(now);
+        }
+    }
+
+    /// A cause of withdrawal appeared; only the first one changes anything.
+    fn withdraw(&mut self, reason: Reason) {
+        if !self.is_candidate() {
+            return;
+        }
+        self.phase = Phase::Withdrawn;
+        self.set_role(Role::Passive, reason.clone());
+        self.outputs.push_back(Output::Candidacy {
+            candidate: false,
+            reason,
+        });
+        // Tell the group now, active or not: it must stop counting on us at once.
+        self.queue_announce();
+    }
+
+    /// A cause cleared; with none left, rejoin like a newcomer, keeping the view.
+    fn rejoin_if_fit(&mut self, now: Instant) {
+        if self.phase != Phase::Withdrawn || self.causes.any() {
+            return;
+        }
+        self.outputs.push_back(Output::Candidacy {
+            candidate: true,
+            reason: Reason::Fit,
+        });
+        self.settle(now);
+    }
+
+    /// A `leaving` sender is dropped at once, unless it is only withdrawn: that one stays
+    /// a (non-candidate) member until it leaves or expires.
+    fn remember(&mut self, now: Instant, heard: Heard) {
+        if heard.leaving && !heard.withdrawn {
+            self.members.remove(&heard.from);
+            return;
+        }
+        self.members.insert(
+            heard.from,
+            Member {
+                last_seen: now,
+                active: heard.active,
+                probing: heard.probe,
+                withdrawn: heard.withdrawn,
+            },
+        );
     }
 
     /// Keep the members heard within `member_ttl` (the published version inverted this).
@@ -405,31 +520,31 @@ impl Election {
         }
     }
 
-    fn candidates(&self) -> impl Iterator<Item = Uuid> + '_ {
-        self.members
+    /// The lowest live member that is not withdrawn (and, with `settled_only`, not
+    /// probing), or `me` if lower. Our own echo is skipped: whether this node is a
+    /// candidate is its phase, which the echo may not reflect yet.
+    fn lowest_candidate(&self, settled_only: bool, me: Option<Uuid>) -> Option<Uuid> {
+        let member = self
+            .members
             .iter()
-            .filter(|(_, m)| !m.probing)
-            .map(|(id, _)| *id)
+            .find(|(id, m)| **id != self.me && !m.withdrawn && !(settled_only && m.probing))
+            .map(|(id, _)| *id);
+        member.into_iter().chain(me).min()
     }
 
-    /// Asymmetric on purpose: to *take* the role a node defers to every live lower id,
-    /// settling or not (nodes started together must not all act); to *keep* it, only a
-    /// settled lower member counts (a newcomer's probe must not leave the group without
-    /// an active node while the newcomer settles).
+    /// Asymmetric on purpose: to *take* the role a node defers to every live lower
+    /// candidate, settling or not (nodes started together must not all act); to *keep*
+    /// it, only a settled lower member counts (a newcomer's probe must not leave the
+    /// group without an active node while the newcomer settles). Withdrawn members
+    /// count for neither.
     fn recompute(&mut self) {
-        if self.phase != Phase::Settled || self.lagging_since.is_some() {
+        if self.phase != Phase::Settled {
             return;
         }
-        let lowest = match self.role {
-            Role::Active => self.lowest(),
-            Role::Passive => self
-                .members
-                .keys()
-                .next()
-                .copied()
-                .unwrap_or(self.me)
-                .min(self.me),
-        };
+        let settled_only = self.role == Role::Active;
+        let lowest = self
+            .lowest_candidate(settled_only, Some(self.me))
+            .unwrap_or(self.me);
         if lowest == self.me {
             self.set_role(Role::Active, Reason::Lowest);
         } else {
@@ -451,16 +566,19 @@ impl Election {
         self.queue_announce();
     }
 
-    /// Queue our announcement with the current state; coalesce with one already queued
-    /// so a burst of probes costs one answer.
+    /// Queue our announcement with the current state, replacing one still queued (it
+    /// would only be older news); it answers any probe heard so far.
     fn queue_announce(&mut self) {
         self.next_announce = self.last_tick + self.timing.announce_interval;
+        self.answer_due = false;
         self.outputs
-            .retain(|o| !matches!(o, Output::Send(a) if !a.leaving));
+            .retain(|o| !matches!(o, Output::Send(a) if a.withdrawn || !a.leaving));
+        let withdrawn = self.phase == Phase::Withdrawn;
         self.outputs.push_back(Output::Send(Announce {
             active: self.role == Role::Active,
-            leaving: false,
+            leaving: withdrawn,
             probe: matches!(self.phase, Phase::Settling { .. }),
+            withdrawn,
         }));
     }
 }

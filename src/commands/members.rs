@@ -42,6 +42,7 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
         active: false,
         leaving: true,
         probe: true,
+        withdrawn: false,
     };
     bus.announce(&probe, settings.election.member_ttl).await?;
     let ttl = settings.election.member_ttl;

@@ -16,6 +16,7 @@ fn heard(from: Uuid) -> Heard {
         active: false,
         leaving: false,
         probe: false,
+        withdrawn: false,
     }
 }
 
@@ -63,7 +64,8 @@ fn starts_passive_and_sends_a_probe() {
         vec![Announce {
             active: false,
             leaving: false,
-            probe: true
+            probe: true,
+            withdrawn: false
         }]
     );
 }
@@ -96,7 +98,8 @@ fn lowest_becomes_active_after_one_announce_interval() {
         Some(&Announce {
             active: true,
             leaving: false,
-            probe: false
+            probe: false,
+            withdrawn: false
         })
     );
 }
@@ -161,7 +164,7 @@ fn a_probing_member_is_not_a_candidate_until_it_settles() {
 }
 
 #[test]
-fn answers_every_probe_from_another_node_at_once() {
+fn answers_a_probe_from_another_node_at_the_next_tick() {
     let t0 = Instant::now();
     let mut e = settled_alone(id(5), t0);
     drain(&mut e);
@@ -173,12 +176,16 @@ fn answers_every_probe_from_another_node_at_once() {
             ..heard(id(7))
         },
     );
+    assert!(sends(&drain(&mut e)).is_empty(), "not before the tick");
+    // 1.25 s: the periodic announcement (due at 2 s) is not due; only the answer is.
+    e.tick(t0 + Duration::from_millis(1250));
     assert_eq!(
         sends(&drain(&mut e)),
         vec![Announce {
             active: true,
             leaving: false,
-            probe: false
+            probe: false,
+            withdrawn: false
         }]
     );
 }
@@ -213,6 +220,46 @@ fn a_burst_of_probes_costs_one_answer() {
             },
         );
     }
+    e.tick(t + 150 * MS);
+    assert_eq!(sends(&drain(&mut e)).len(), 1);
+}
+
+/// A probe flood must not become N × flood: answers go out with the tick, one at most.
+#[test]
+fn a_thousand_probes_between_two_ticks_cost_one_answer() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    drain(&mut e);
+    let t = t0 + Duration::from_millis(1100);
+    for n in 0..1000u128 {
+        let probe = Heard {
+            probe: true,
+            ..heard(Uuid::from_u128(u128::MAX - n))
+        };
+        e.step(t, probe);
+    }
+    assert!(sends(&drain(&mut e)).is_empty());
+    e.tick(t + 150 * MS);
+    assert_eq!(sends(&drain(&mut e)).len(), 1);
+    e.tick(t + 400 * MS);
+    assert!(sends(&drain(&mut e)).is_empty(), "answered already");
+    assert_eq!(e.role(), Role::Active, "probing newcomers do not depose");
+}
+
+/// The probe answer and the periodic announcement due at the same tick are one send.
+#[test]
+fn a_probe_answer_coalesces_with_the_periodic_announcement() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(5), t0);
+    drain(&mut e);
+    e.step(
+        t0 + Duration::from_millis(1900),
+        Heard {
+            probe: true,
+            ..heard(id(7))
+        },
+    );
+    e.tick(t0 + Duration::from_secs(2));
     assert_eq!(sends(&drain(&mut e)).len(), 1);
 }
 
@@ -314,6 +361,7 @@ fn an_observer_probe_with_leaving_gets_an_answer_but_no_membership() {
         },
     );
     assert_eq!(e.role(), Role::Active);
+    e.tick(t0 + Duration::from_millis(1250));
     assert_eq!(sends(&drain(&mut e)).len(), 1);
     assert!(e.members(t0).iter().all(|m| m.id != id(1)));
 }
@@ -437,7 +485,14 @@ fn lag_past_max_lag_steps_down_and_recovers_when_on_time() {
     // Lag alone keeps it passive even though it is the lowest.
     e.tick(t + Duration::from_millis(250));
     assert_eq!(e.role(), Role::Passive);
-    e.observe_own_lag(t + Duration::from_millis(300), Duration::from_millis(5));
+    let back = t + Duration::from_millis(300);
+    e.observe_own_lag(back, Duration::from_millis(5));
+    assert!(drain(&mut e).contains(&Output::LagRecovered {
+        lag: Duration::from_millis(5)
+    }));
+    // Rejoins like a newcomer: settles for an interval before acting again.
+    assert_eq!(e.role(), Role::Passive);
+    e.tick(back + Duration::from_secs(1));
     assert_eq!(e.role(), Role::Active);
 }
 
@@ -492,7 +547,8 @@ fn leave_announces_leaving_once_and_ignores_further_input() {
         vec![Announce {
             active: false,
             leaving: true,
-            probe: false
+            probe: false,
+            withdrawn: false
         }]
     );
     assert_eq!(role_changes(&out), vec![(Role::Passive, Reason::Leaving)]);
@@ -555,23 +611,35 @@ fn three_nodes_converge_on_the_lowest() {
     }
 }
 
-/// Route every pending announcement to every node (the topic exchange fan-out).
-fn deliver_all(nodes: &mut [Election], now: Instant) {
-    let mut wire = Vec::new();
+/// Route every pending announcement to every node (the topic exchange fan-out);
+/// returns every output drained, with the node that produced it.
+fn deliver_all(nodes: &mut [Election], now: Instant) -> Vec<(Uuid, Output)> {
+    let mut drained = Vec::new();
     for n in nodes.iter_mut() {
-        while let Some(o) = n.poll_output() {
-            if let Output::Send(a) = o {
-                wire.push(Heard {
-                    from: n.id(),
-                    active: a.active,
-                    leaving: a.leaving,
-                    probe: a.probe,
-                });
-            }
-        }
+        let from = n.id();
+        drained.extend(drain(n).into_iter().map(|o| (from, o)));
     }
+    let wire: Vec<Heard> = drained
+        .iter()
+        .filter_map(|(from, o)| match o {
+            Output::Send(a) => Some(heard_as(*from, *a)),
+            _ => None,
+        })
+        .collect();
     for h in wire {
         nodes.iter_mut().for_each(|n| n.step(now, h));
+    }
+    drained
+}
+
+/// What the others receive when `from` sends `a`.
+fn heard_as(from: Uuid, a: Announce) -> Heard {
+    Heard {
+        from,
+        active: a.active,
+        leaving: a.leaving,
+        probe: a.probe,
+        withdrawn: a.withdrawn,
     }
 }
 
@@ -605,4 +673,377 @@ fn a_settling_node_defers_to_a_lower_node_that_is_still_probing() {
     e.tick(t0 + Duration::from_secs(1));
     assert!(e.is_settled());
     assert_eq!(e.role(), Role::Passive);
+}
+
+// --- Withdrawal ---
+
+const TICK: Duration = Duration::from_millis(250);
+
+const WITHDRAWN: Announce = Announce {
+    active: false,
+    leaving: true,
+    probe: false,
+    withdrawn: true,
+};
+
+fn candidacy(outputs: &[Output]) -> Vec<(bool, Reason)> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::Candidacy { candidate, reason } => Some((*candidate, reason.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn active_ids(nodes: &[Election]) -> Vec<Uuid> {
+    nodes
+        .iter()
+        .filter(|n| n.role() == Role::Active)
+        .map(|n| n.id())
+        .collect()
+}
+
+/// Tick every node every `TICK` for `for_`, delivering every announcement after each
+/// round; `before_tick` feeds each node the driver's per-tick inputs (health).
+fn run(
+    nodes: &mut [Election],
+    now: &mut Instant,
+    for_: Duration,
+    mut before_tick: impl FnMut(&mut Election, Instant),
+) -> Vec<(Uuid, Output)> {
+    let end = *now + for_;
+    let mut outputs = Vec::new();
+    while *now < end {
+        *now += TICK;
+        for n in nodes.iter_mut() {
+            before_tick(n, *now);
+            n.tick(*now);
+        }
+        outputs.extend(deliver_all(nodes, *now));
+    }
+    outputs
+}
+
+fn of(outputs: &[(Uuid, Output)], node: Uuid) -> Vec<Output> {
+    outputs
+        .iter()
+        .filter(|(from, _)| *from == node)
+        .map(|(_, o)| o.clone())
+        .collect()
+}
+
+/// Three settled nodes 1 < 2 < 3, node 1 active.
+fn settled_group(t0: Instant) -> (Vec<Election>, Instant) {
+    let mut nodes: Vec<Election> = [1, 2, 3].map(|n| Election::new(id(n), timing(), t0)).into();
+    let mut now = t0;
+    run(&mut nodes, &mut now, Duration::from_secs(2), |_, _| {});
+    assert_eq!(active_ids(&nodes), vec![id(1)]);
+    assert!(nodes.iter().all(Election::is_settled));
+    (nodes, now)
+}
+
+fn healthy(n: &mut Election, now: Instant) {
+    n.observe_health(now, None);
+}
+
+/// Table: (failing for, withdrawn afterwards). Strictly more than `member_ttl`.
+#[test]
+fn failing_checks_withdraw_only_past_member_ttl() {
+    let cases = [
+        (Duration::ZERO, false),
+        (Duration::from_secs(3), false),
+        (Duration::from_millis(3001), true),
+    ];
+    for (failing, withdrawn) in cases {
+        let t0 = Instant::now();
+        let mut e = settled_alone(id(1), t0);
+        let now = t0 + Duration::from_secs(4);
+        e.tick(t0 + Duration::from_millis(3500));
+        e.observe_health(now, Some(now - failing));
+        assert_eq!(e.is_candidate(), !withdrawn, "failing {failing:?}");
+        assert_eq!(e.role() == Role::Active, !withdrawn, "failing {failing:?}");
+    }
+}
+
+#[test]
+fn an_unhealthy_node_withdraws_once_and_rejoins_like_a_newcomer() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    drain(&mut e);
+    let since = t0 + Duration::from_millis(500);
+    let t = t0 + Duration::from_millis(3600);
+    e.tick(t);
+    e.observe_health(t, Some(since));
+    e.observe_health(t + MS, Some(since));
+    let out = drain(&mut e);
+    let failing = t - since;
+    assert_eq!(
+        role_changes(&out),
+        vec![(Role::Passive, Reason::Unhealthy(failing))]
+    );
+    assert_eq!(candidacy(&out), vec![(false, Reason::Unhealthy(failing))]);
+    assert_eq!(sends(&out), vec![WITHDRAWN]);
+    assert_eq!(e.check_lease(t + MS), Lease::Demoted);
+    // Still the only member, still unhealthy: never takes the role back.
+    e.tick(t + Duration::from_secs(1));
+    assert_eq!(e.role(), Role::Passive);
+    let back = t + Duration::from_millis(1100);
+    e.observe_health(back, None);
+    let out = drain(&mut e);
+    assert_eq!(candidacy(&out), vec![(true, Reason::Fit)]);
+    assert!(sends(&out).last().is_some_and(|a| a.probe && !a.withdrawn));
+    assert!(e.is_candidate() && !e.is_settled());
+    e.tick(back + Duration::from_secs(1));
+    assert_eq!(e.role(), Role::Active);
+}
+
+#[test]
+fn a_withdrawn_node_announces_withdrawn_periodically_and_to_probes() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    let t = t0 + Duration::from_millis(1100);
+    e.observe_own_lag(t, Duration::from_secs(2));
+    drain(&mut e);
+    e.step(
+        t + 10 * MS,
+        Heard {
+            probe: true,
+            ..heard(id(7))
+        },
+    );
+    e.tick(t + 150 * MS);
+    assert_eq!(sends(&drain(&mut e)), vec![WITHDRAWN], "probe answer");
+    let mut now = t + 150 * MS;
+    let mut sent = Vec::new();
+    for _ in 0..8 {
+        now += TICK;
+        e.tick(now);
+        sent.extend(sends(&drain(&mut e)));
+    }
+    assert_eq!(sent, vec![WITHDRAWN, WITHDRAWN], "every interval");
+}
+
+#[test]
+fn a_node_stays_withdrawn_while_any_cause_holds() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    drain(&mut e);
+    let t = t0 + Duration::from_millis(1100);
+    e.observe_own_lag(t, Duration::from_secs(2));
+    e.observe_health(t, Some(t0 - Duration::from_secs(5)));
+    let out = drain(&mut e);
+    assert_eq!(
+        candidacy(&out),
+        vec![(false, Reason::Lagging(Duration::from_secs(2)))],
+        "one withdrawal, whatever the number of causes"
+    );
+    e.observe_own_lag(t + 10 * MS, Duration::from_millis(5));
+    assert!(!e.is_candidate(), "still unhealthy");
+    e.observe_health(t + 20 * MS, None);
+    assert!(e.is_candidate());
+    assert_eq!(candidacy(&drain(&mut e)), vec![(true, Reason::Fit)]);
+}
+
+#[test]
+fn a_pause_or_a_lost_bus_keeps_a_withdrawn_node_withdrawn_and_silent_about_probing() {
+    let t0 = Instant::now();
+    let since = t0 - Duration::from_secs(5);
+    for lose in [
+        |e: &mut Election, now| assert_eq!(e.check_lease(now), Lease::Stale),
+        |e: &mut Election, now| e.bus_lost(now),
+    ] {
+        let mut e = settled_alone(id(1), t0);
+        let t = t0 + Duration::from_millis(1100);
+        e.observe_health(t, Some(since));
+        drain(&mut e);
+        let later = t + Duration::from_secs(10);
+        lose(&mut e, later);
+        assert!(!e.is_candidate());
+        assert!(sends(&drain(&mut e)).iter().all(|a| *a == WITHDRAWN));
+        e.tick(later + Duration::from_secs(2));
+        assert_eq!(e.role(), Role::Passive);
+        e.observe_health(later + Duration::from_secs(2), None);
+        assert!(sends(&drain(&mut e)).iter().any(|a| a.probe));
+    }
+}
+
+#[test]
+fn leave_works_while_withdrawn() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    let t = t0 + Duration::from_millis(1100);
+    e.observe_own_lag(t, Duration::from_secs(2));
+    drain(&mut e);
+    e.leave(t + MS);
+    assert_eq!(
+        sends(&drain(&mut e)),
+        vec![Announce {
+            active: false,
+            leaving: true,
+            probe: false,
+            withdrawn: false
+        }]
+    );
+    assert!(!e.is_candidate());
+}
+
+#[test]
+fn a_leaving_node_asked_for_its_lease_much_later_does_not_restart() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    let t = t0 + Duration::from_millis(1100);
+    e.leave(t);
+    drain(&mut e);
+    assert_eq!(e.check_lease(t + Duration::from_secs(10)), Lease::Demoted);
+    assert!(drain(&mut e).is_empty());
+}
+
+#[test]
+fn a_withdrawn_member_stays_a_member_but_is_no_candidate() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(5), timing(), t0);
+    let withdrawn = heard_as(id(1), WITHDRAWN);
+    e.step(t0 + 10 * MS, withdrawn);
+    e.tick(t0 + Duration::from_secs(1));
+    assert_eq!(
+        e.role(),
+        Role::Active,
+        "does not defer to a withdrawn lower id"
+    );
+    assert_eq!(e.lowest(), id(5));
+    let view = e.members(t0 + Duration::from_secs(1));
+    assert!(
+        view.iter()
+            .any(|m| m.id == id(1) && m.withdrawn && !m.active)
+    );
+    // Like any member it expires when no longer heard.
+    let mut now = t0 + Duration::from_secs(1);
+    while now < t0 + Duration::from_secs(4) {
+        now += TICK;
+        e.step(now, heard(id(5)));
+        e.tick(now);
+    }
+    assert!(e.members(now).iter().all(|m| m.id != id(1)));
+}
+
+#[test]
+fn lowest_skips_this_node_while_it_is_withdrawn() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    let t = t0 + Duration::from_millis(1100);
+    e.step(t, heard(id(4)));
+    assert_eq!(e.lowest(), id(1));
+    e.observe_own_lag(t, Duration::from_secs(2));
+    assert_eq!(e.lowest(), id(4));
+}
+
+#[test]
+fn the_next_node_takes_over_as_soon_as_it_hears_the_unhealthy_one_withdraw() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = settled_group(t0);
+    let since = now;
+    let failing = |n: &mut Election, t: Instant| {
+        if n.id() == id(1) {
+            n.observe_health(t, Some(since));
+        }
+    };
+    // Failing for exactly member_ttl: nothing changes yet.
+    run(&mut nodes, &mut now, Duration::from_secs(3), failing);
+    assert_eq!(active_ids(&nodes), vec![id(1)]);
+    now += TICK;
+    nodes[0].observe_health(now, Some(since));
+    let out = drain(&mut nodes[0]);
+    assert_eq!(
+        candidacy(&out),
+        vec![(false, Reason::Unhealthy(now - since))]
+    );
+    assert_eq!(sends(&out), vec![WITHDRAWN]);
+    nodes[1].step(now, heard_as(id(1), WITHDRAWN));
+    assert_eq!(
+        active_ids(&nodes),
+        vec![id(2)],
+        "one step, no member_ttl wait"
+    );
+    // While node 1 stays unhealthy, node 2 keeps the role and node 1 stays a member.
+    run(&mut nodes, &mut now, Duration::from_secs(10), failing);
+    assert_eq!(active_ids(&nodes), vec![id(2)]);
+    assert!(
+        nodes[1]
+            .members(now)
+            .iter()
+            .any(|m| m.id == id(1) && m.withdrawn)
+    );
+    // Healthy again: node 1 probes, settles on node 2's answer, takes the role back.
+    let out = run(&mut nodes, &mut now, Duration::from_secs(2), healthy);
+    assert_eq!(active_ids(&nodes), vec![id(1)]);
+    assert_eq!(candidacy(&of(&out, id(1))), vec![(true, Reason::Fit)]);
+    assert_eq!(
+        role_changes(&of(&out, id(2))),
+        vec![(Role::Passive, Reason::LowerMember(id(1)))]
+    );
+}
+
+#[test]
+fn when_every_node_is_unhealthy_nobody_acts_and_nobody_flaps() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = settled_group(t0);
+    let since = now;
+    let failing = |n: &mut Election, t: Instant| n.observe_health(t, Some(since));
+    let out = run(&mut nodes, &mut now, Duration::from_secs(4), failing);
+    for n in [1, 2, 3] {
+        let withdrawals = candidacy(&of(&out, id(n)));
+        assert!(matches!(
+            withdrawals.as_slice(),
+            [(false, Reason::Unhealthy(_))]
+        ));
+    }
+    assert!(active_ids(&nodes).is_empty());
+    let out = run(&mut nodes, &mut now, Duration::from_secs(60), |n, t| {
+        failing(n, t);
+        assert_eq!(n.role(), Role::Passive);
+    });
+    let flaps: Vec<&Output> = out
+        .iter()
+        .map(|(_, o)| o)
+        .filter(|o| matches!(o, Output::RoleChanged { .. } | Output::Candidacy { .. }))
+        .collect();
+    assert!(flaps.is_empty(), "{flaps:?}");
+    assert!(
+        out.iter()
+            .all(|(_, o)| !matches!(o, Output::Send(a) if *a != WITHDRAWN))
+    );
+    // Everyone still knows everyone, as withdrawn members.
+    assert!(nodes.iter().all(|n| n.members(now).len() == 3));
+    let mut ever_active = std::collections::BTreeSet::new();
+    run(&mut nodes, &mut now, Duration::from_secs(3), |n, t| {
+        healthy(n, t);
+        ever_active.extend((n.role() == Role::Active).then_some(n.id()));
+    });
+    assert_eq!(active_ids(&nodes), vec![id(1)]);
+    assert_eq!(ever_active.into_iter().collect::<Vec<_>>(), vec![id(1)]);
+}
+
+#[test]
+fn a_lagging_lowest_node_is_passed_over_at_once_and_rejoins_when_on_time() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = settled_group(t0);
+    now += TICK;
+    let lag = Duration::from_secs(2);
+    nodes[0].observe_own_lag(now, lag);
+    let out = deliver_all(&mut nodes, now);
+    let node1 = of(&out, id(1));
+    assert!(node1.contains(&Output::Lagging { lag }));
+    assert_eq!(candidacy(&node1), vec![(false, Reason::Lagging(lag))]);
+    assert_eq!(active_ids(&nodes), vec![id(2)], "after one delivery");
+    run(&mut nodes, &mut now, Duration::from_secs(5), healthy);
+    assert_eq!(active_ids(&nodes), vec![id(2)]);
+    nodes[0].observe_own_lag(now, Duration::from_millis(5));
+    let out = run(&mut nodes, &mut now, Duration::from_secs(2), healthy);
+    let node1 = of(&out, id(1));
+    assert!(node1.contains(&Output::LagRecovered {
+        lag: Duration::from_millis(5)
+    }));
+    assert_eq!(candidacy(&node1), vec![(true, Reason::Fit)]);
+    assert_eq!(active_ids(&nodes), vec![id(1)]);
 }
