@@ -1,11 +1,16 @@
 //! RabbitMQ through lapin: connect, declare the announcement topology, announce, consume,
-//! and publish TimeOuts with confirms. Every wait here is bounded by a configured timeout.
+//! and publish TimeOuts with confirms (`publish`). Every wait here is bounded by a
+//! configured timeout.
 
-use std::collections::HashMap;
+mod publish;
+
+pub use publish::{Budget, Fate, Outgoing, PublishError, Published};
+
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use futures_util::future::join_all;
 use lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
     QueueBindOptions, QueueDeclareOptions,
@@ -14,7 +19,6 @@ use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
-use tokio::sync::Mutex;
 use tokio::time::timeout;
 
 use crate::announcement::{Announcement, MESSAGE_TYPE};
@@ -23,8 +27,11 @@ use crate::config;
 /// Heartbeat asked of the broker when the URL does not say: a dead peer is noticed in
 /// about two intervals instead of the broker default of a minute.
 const DEFAULT_HEARTBEAT_SECS: u16 = 5;
-/// How long an exchange, once seen to exist, is trusted without asking again.
-const EXCHANGE_CACHE_TTL: Duration = Duration::from_secs(30);
+/// How long an exchange that accepted one of our messages is trusted with a whole batch
+/// (see `publish`): after that, its next message is a pilot again.
+const EXCHANGE_TRUST: Duration = Duration::from_secs(60);
+/// Idle confirm channels kept for the next batches.
+const IDLE_CHANNELS: usize = 16;
 /// Bound on the announcement queue, so a stalled node cannot pile up a backlog.
 const ANNOUNCE_QUEUE_MAX: i64 = 1000;
 
@@ -57,53 +64,15 @@ async fn bounded<T>(
     }
 }
 
-/// One message to publish with a confirm.
-#[derive(Debug, Clone)]
-pub struct Outgoing {
-    pub exchange: String,
-    pub routing_key: String,
-    pub properties: BasicProperties,
-    pub body: Vec<u8>,
-}
-
-/// Why one TimeOut was not confirmed.
-#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
-pub enum PublishError {
-    #[error("exchange {0:?} does not exist")]
-    NoExchange(String),
-    #[error("unroutable: returned by the broker ({0})")]
-    Returned(String),
-    #[error("nacked by the broker")]
-    Nacked,
-    #[error("not confirmed within {0:?}")]
-    ConfirmTimeout(Duration),
-    #[error("invalid message: {0}")]
-    Invalid(String),
-    #[error("channel error: {0}")]
-    Channel(String),
-}
-
-impl PublishError {
-    /// Stable label for logs and metrics.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            PublishError::NoExchange(_) => "no_exchange",
-            PublishError::Returned(_) => "returned",
-            PublishError::Nacked => "nacked",
-            PublishError::ConfirmTimeout(_) => "confirm_timeout",
-            PublishError::Invalid(_) => "invalid",
-            PublishError::Channel(_) => "channel",
-        }
-    }
-}
-
-/// A connected bus: the announcement channel and queue, and a confirm-mode channel for
-/// TimeOuts that is reopened when the broker closes it.
+/// A connected bus: the announcement channel and queue, and a pool of confirm-mode
+/// channels for TimeOuts, one per batch in flight.
 pub struct Bus {
     conn: Connection,
     announce: Channel,
-    confirms: Mutex<Channel>,
-    exchanges: Mutex<HashMap<String, Instant>>,
+    /// Confirm channels not in use by a batch.
+    idle: Mutex<Vec<Channel>>,
+    /// Exchanges that recently accepted a message, and when.
+    trusted: Mutex<HashMap<String, Instant>>,
     settings: config::Amqp,
     group: String,
 }
@@ -128,12 +97,11 @@ impl Bus {
         };
         let announce = bounded("open channel", limit, conn.create_channel()).await?;
         let consumer = declare(&announce, settings, group, limit).await?;
-        let confirms = confirm_channel(&conn, limit).await?;
         let bus = Self {
             conn,
             announce,
-            confirms: Mutex::new(confirms),
-            exchanges: Mutex::new(HashMap::new()),
+            idle: Mutex::new(Vec::new()),
+            trusted: Mutex::new(HashMap::new()),
             settings: settings.clone(),
             group: group.to_owned(),
         };
@@ -163,159 +131,48 @@ impl Bus {
         Ok(())
     }
 
-    /// Publish all messages pipelined (mandatory, confirm mode), then await every
-    /// confirm. One result per message, in order. Messages for exchanges that do not
-    /// exist are refused before publishing, so they cannot close the channel under the
-    /// rest of the batch.
-    pub async fn publish_confirmed(
-        &self,
-        batch: &[Outgoing],
-    ) -> Result<Vec<Result<(), PublishError>>, BusError> {
-        let missing = self.missing_exchanges(batch).await?;
-        let channel = self.confirm_channel().await?;
-        let mut pending = Vec::with_capacity(batch.len());
-        for msg in batch {
-            if missing.contains(&msg.exchange) {
-                pending.push(Err(PublishError::NoExchange(msg.exchange.clone())));
-                continue;
-            }
-            pending.push(self.publish_one(&channel, msg).await);
-        }
-        let limit = self.settings.confirm_timeout;
-        let results = join_all(pending.into_iter().map(|p| async move {
-            match p {
-                Ok(confirm) => await_confirm(confirm, limit).await,
-                Err(e) => Err(e),
-            }
-        }))
-        .await;
-        if results
-            .iter()
-            .any(|r| matches!(r, Err(PublishError::Channel(_))))
-        {
-            // An exchange deleted since we checked: ask again next time.
-            self.exchanges.lock().await.clear();
-        }
-        Ok(results)
-    }
-
-    async fn publish_one(
-        &self,
-        channel: &Channel,
-        msg: &Outgoing,
-    ) -> Result<lapin::PublisherConfirm, PublishError> {
-        let exchange = short(&msg.exchange, "exchange")?;
-        let routing_key = short(&msg.routing_key, "routing key")?;
-        let publish = channel.basic_publish(
-            exchange,
-            routing_key,
-            BasicPublishOptions {
-                mandatory: true,
-                immediate: false,
-            },
-            &msg.body,
-            msg.properties.clone(),
-        );
-        match timeout(self.settings.confirm_timeout, publish).await {
-            Ok(Ok(confirm)) => Ok(confirm),
-            Ok(Err(e)) => Err(PublishError::Channel(e.to_string())),
-            Err(_) => Err(PublishError::ConfirmTimeout(self.settings.confirm_timeout)),
-        }
-    }
-
-    /// The confirm channel, reopened if the broker closed it (e.g. after a 404).
+    /// A confirm channel of its own for one batch or pilot: an idle one from the pool,
+    /// or a new one.
     async fn confirm_channel(&self) -> Result<Channel, BusError> {
-        let mut guard = self.confirms.lock().await;
-        if !guard.status().connected() {
-            tracing::warn!("TimeOut channel was closed, reopening it");
-            *guard = confirm_channel(&self.conn, self.settings.connect_timeout).await?;
+        let idle = lock(&self.idle).pop();
+        match idle {
+            Some(c) if c.status().connected() => Ok(c),
+            _ => confirm_channel(&self.conn, self.settings.connect_timeout).await,
         }
-        Ok(guard.clone())
     }
 
-    /// Exchanges of the batch that do not exist, checked with a passive declare on a
-    /// throwaway channel (a failed passive declare closes its channel). Existing ones are
-    /// cached for a while; the default exchange always exists.
-    async fn missing_exchanges(&self, batch: &[Outgoing]) -> Result<Vec<String>, BusError> {
-        let mut cache = self.exchanges.lock().await;
+    /// Return a channel whose every confirm has come in (nothing of its last batch can
+    /// still arrive on it). Surplus channels are closed.
+    fn give_back(&self, channel: Channel) {
+        let mut idle = lock(&self.idle);
+        if channel.status().connected() && idle.len() < IDLE_CHANNELS {
+            idle.push(channel);
+        } else {
+            drop(idle);
+            tokio::spawn(async move { channel.close(200, "OK".into()).await });
+        }
+    }
+
+    /// Exchanges that accepted one of our messages within `EXCHANGE_TRUST`.
+    fn trusted_exchanges(&self) -> HashSet<String> {
+        let mut trusted = lock(&self.trusted);
         let now = Instant::now();
-        cache.retain(|_, seen| now.duration_since(*seen) < EXCHANGE_CACHE_TTL);
-        let mut missing = Vec::new();
-        for msg in batch {
-            let name = &msg.exchange;
-            if name.is_empty() || cache.contains_key(name) || missing.contains(name) {
-                continue;
-            }
-            if self.exchange_exists(name).await? {
-                cache.insert(name.clone(), now);
-            } else {
-                missing.push(name.clone());
-            }
-        }
-        Ok(missing)
+        trusted.retain(|_, at| now.duration_since(*at) < EXCHANGE_TRUST);
+        trusted.keys().cloned().collect()
     }
 
-    async fn exchange_exists(&self, name: &str) -> Result<bool, BusError> {
-        let Ok(exchange) = ShortString::try_new(name) else {
-            return Ok(false);
-        };
-        let limit = self.settings.connect_timeout;
-        let channel = bounded("open channel", limit, self.conn.create_channel()).await?;
-        let options = ExchangeDeclareOptions {
-            passive: true,
-            ..ExchangeDeclareOptions::default()
-        };
-        let declare = channel.exchange_declare(
-            exchange,
-            ExchangeKind::Topic,
-            options,
-            FieldTable::default(),
-        );
-        match timeout(limit, declare).await {
-            Ok(Ok(())) => {
-                let _ = channel.close(200, "OK".into()).await;
-                Ok(true)
-            }
-            Ok(Err(e)) if is_not_found(&e) => Ok(false),
-            Ok(Err(e)) => Err(e.into()),
-            Err(_) => Err(BusError::Timeout {
-                what: "exchange check",
-                after: limit,
-            }),
-        }
+    fn trust(&self, exchange: &str) {
+        lock(&self.trusted).insert(exchange.to_owned(), Instant::now());
+    }
+
+    fn distrust(&self, exchange: &str) {
+        lock(&self.trusted).remove(exchange);
     }
 
     /// Close the connection politely (bounded).
     pub async fn close(&self) {
         let close = self.conn.close(200, "shutting down".into());
         let _ = timeout(self.settings.connect_timeout, close).await;
-    }
-}
-
-fn is_not_found(e: &lapin::Error) -> bool {
-    e.to_string().contains("NOT_FOUND")
-}
-
-fn short(s: &str, what: &str) -> Result<ShortString, PublishError> {
-    ShortString::try_new(s)
-        .map_err(|_| PublishError::Invalid(format!("{what} longer than 255 bytes")))
-}
-
-async fn await_confirm(
-    confirm: lapin::PublisherConfirm,
-    limit: Duration,
-) -> Result<(), PublishError> {
-    match timeout(limit, confirm).await {
-        Err(_) => Err(PublishError::ConfirmTimeout(limit)),
-        Ok(Err(e)) => Err(PublishError::Channel(e.to_string())),
-        Ok(Ok(c)) if c.is_nack() => Err(PublishError::Nacked),
-        Ok(Ok(c)) => match c.take_message() {
-            Some(returned) => Err(PublishError::Returned(format!(
-                "{} {}",
-                returned.reply_code, returned.reply_text
-            ))),
-            None => Ok(()),
-        },
     }
 }
 
@@ -410,6 +267,11 @@ async fn confirm_channel(conn: &Connection, limit: Duration) -> Result<Channel, 
     )
     .await?;
     Ok(channel)
+}
+
+/// The state behind these mutexes is a cache: a panicking holder cannot corrupt it.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A header table with one long string, for `x-timeoutd-node`.

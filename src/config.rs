@@ -63,6 +63,9 @@ pub struct Amqp {
     pub connect_timeout: Duration,
     #[serde(with = "humantime_serde")]
     pub confirm_timeout: Duration,
+    /// Largest TimeOut the broker takes (its `max_message_size`); a larger one would
+    /// close the channel, so it is refused before publishing, as that row's failure.
+    pub max_message_size: bytesize::ByteSize,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -284,14 +287,7 @@ impl Settings {
                 ));
             }
         }
-        if self.postgres.statement_timeout <= self.amqp.confirm_timeout {
-            // The batch's transaction idles while confirms arrive; the server's idle
-            // timeout (= statement_timeout) must outlast them.
-            return Err(ConfigError::invalid(
-                "postgres.statement_timeout",
-                "must be greater than amqp.confirm_timeout",
-            ));
-        }
+        self.validate_batch_bounds()?;
         let timing = self.timing();
         if timing.max_lag.is_zero() || timing.max_lag >= timing.member_ttl {
             return Err(ConfigError::invalid(
@@ -306,6 +302,39 @@ impl Settings {
             ));
         }
         Ok(())
+    }
+
+    /// A batch's transaction idles while its TimeOuts are published and confirmed, and
+    /// the server ends an idle transaction after `statement_timeout`: the batch budget
+    /// (`batch_budget`) must leave room for one full confirm wait. A graceful stop waits
+    /// for the confirms of the batch in flight.
+    fn validate_batch_bounds(&self) -> Result<(), ConfigError> {
+        if self.amqp.confirm_timeout * 2 > self.postgres.statement_timeout {
+            return Err(ConfigError::invalid(
+                "postgres.statement_timeout",
+                "must be at least twice amqp.confirm_timeout",
+            ));
+        }
+        if self.shutdown.timeout <= self.amqp.confirm_timeout {
+            return Err(ConfigError::invalid(
+                "shutdown.timeout",
+                "must be greater than amqp.confirm_timeout",
+            ));
+        }
+        let size = self.amqp.max_message_size.as_u64();
+        if !(1024..=(512 << 20)).contains(&size) {
+            return Err(ConfigError::invalid(
+                "amqp.max_message_size",
+                "must be between 1KiB and 512MiB (RabbitMQ's own ceiling)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// How long one scan batch may take from locking its rows to its commit: three
+    /// quarters of `postgres.statement_timeout`, the rest is left for delete and commit.
+    pub fn batch_budget(&self) -> Duration {
+        self.postgres.statement_timeout.mul_f64(0.75)
     }
 
     pub fn timing(&self) -> Timing {

@@ -1,89 +1,146 @@
-//! One transactional scan batch: lock due rows → publish their TimeOuts pipelined →
-//! await every confirm → delete the confirmed rows, keep the failed ones with attempts and
-//! backoff → re-check the lease → commit.
+//! One transactional scan batch: lock due rows → publish their TimeOuts → one fate per
+//! row → delete the confirmed rows, charge the failed ones → commit.
 //!
 //! The transaction is what makes a row fire once: its rows stay locked (and invisible to
 //! other scanners through SKIP LOCKED) from the moment they are read until the commit.
+//! Once the broker has confirmed anything, the batch commits: nothing after the publish
+//! rolls it back (a row the database refuses to delete or charge is handled alone in
+//! `Store::settle`; a stale lease commits too: its locks were either still held, and the
+//! rows are ours to delete, or lost with the session, and the commit fails by itself).
+//! If the commit fails all the same, the confirmed rows are remembered and deleted by a
+//! later statement (`Scanner::settle_leftovers`), so they do not fire again in a loop.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use lapin::BasicProperties;
 use lapin::types::ShortString;
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::backoff;
-use crate::bus::{self, Bus, BusError, Outgoing, PublishError};
+use crate::bus::{self, Budget, Bus, BusError, Fate, Outgoing, PublishError};
 use crate::election::Lease;
-use crate::store::{DueRow, Failure, Store, StoreError};
+use crate::store::{DueRow, Failure, Fired, Store, StoreError};
 
 /// AMQP `type` of every TimeOut.
 pub const MESSAGE_TYPE: &str = "TimeOut";
 /// Header naming the node that fired.
 pub const NODE_HEADER: &str = "x-timeoutd-node";
+/// Rows remembered per kind of memory (suspects, rows to skip, rows to delete later):
+/// beyond this the oldest are forgotten, which costs at most a second TimeOut.
+const MEMORY: usize = 100_000;
+/// A row published alone whose fate stayed unknown this many times is charged.
+const UNKNOWN_STRIKES: u8 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScanError {
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error(transparent)]
-    Bus(#[from] BusError),
+    /// The batch published, then could not settle or commit: its confirmed rows are
+    /// remembered and deleted later.
+    #[error("batch not committed after publishing ({fired} TimeOuts confirmed): {source}")]
+    Commit {
+        fired: usize,
+        #[source]
+        source: StoreError,
+    },
 }
 
-/// The body of a TimeOut message.
+/// The body of a TimeOut message, without `payload` (see [`timeout_body`]).
 #[derive(Debug, Serialize)]
-struct TimeOutBody<'a> {
+struct TimeOutHead<'a> {
     expectation_id: Uuid,
     process_id: &'a str,
     message_type: &'a str,
     timeout_at: String,
     fired_at: String,
-    payload: &'a Option<serde_json::Value>,
 }
 
 /// What one batch did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct BatchOutcome {
     /// Rows locked (a full batch means: scan again at once).
     pub locked: usize,
     /// TimeOuts confirmed and their rows deleted.
     pub fired: usize,
-    /// Rows kept with attempts + 1 (unroutable, nacked, unconfirmed, invalid).
+    /// Rows kept with attempts + 1 (unroutable, nacked, unconfirmed, invalid, too large).
     pub failed: usize,
-    /// The lease was lost before commit: rolled back, nothing deleted.
+    /// Rows left as they were: not sent (budget, stop), or sent with an unknown fate.
+    pub untouched: usize,
+    /// Rows whose TimeOut was confirmed but that could not be deleted (parked).
+    pub parked: usize,
+    /// The lease was not held before publishing: rolled back, nothing sent.
     pub lease_lost: bool,
     pub duration: Duration,
     /// Lateness of each fired row (fire time minus deadline).
     pub lateness: Vec<Duration>,
     /// Why each kept row failed (`PublishError::reason`), for the metrics.
     pub failure_reasons: Vec<&'static str>,
+    /// The bus failed under the batch (no channel, connection lost).
+    pub bus_trouble: Option<BusError>,
 }
 
-/// Settings of the scan that do not change while running.
-#[derive(Debug, Clone)]
+/// Settings of the scan, and what it remembers between batches about single rows.
+#[derive(Debug)]
 pub struct Scanner {
     pub node_id: Uuid,
     pub batch_size: u32,
     pub retry_min: Duration,
     pub retry_max: Duration,
+    /// Largest TimeOut body (`amqp.max_message_size`); larger payloads stay in Postgres.
+    pub max_message_size: usize,
+    /// Bound on one batch from lock to commit (`Settings::batch_budget`).
+    pub budget: Duration,
+    pub confirm_timeout: Duration,
+    memory: Mutex<Memory>,
+}
+
+#[derive(Debug, Default)]
+struct Memory {
+    /// Rows whose last TimeOut went out on a channel that closed before its confirm,
+    /// with how often that happened while published alone: published alone next time.
+    suspects: HashMap<Uuid, u8>,
+    /// Rows whose bookkeeping the database refused: not retried before the instant.
+    skip: HashMap<Uuid, Instant>,
+    /// Confirmed rows of batches that failed to commit: to delete.
+    leftovers: Vec<Fired>,
 }
 
 impl Scanner {
-    /// Run one batch. `lease` is asked right before publishing (anything but `Held`
-    /// rolls back: nothing has been sent yet) and right before committing (`Stale` rolls
-    /// back: a paused process must not commit on its old belief; `Demoted` commits: the
-    /// rows stayed locked by this transaction the whole time, so nobody else fired them,
-    /// and rolling back would only fire them a second time).
+    pub fn new(node_id: Uuid, settings: &crate::config::Settings) -> Self {
+        let max = settings.amqp.max_message_size.as_u64();
+        Self {
+            node_id,
+            batch_size: settings.scan.batch_size,
+            retry_min: settings.scan.retry_min,
+            retry_max: settings.scan.retry_max,
+            max_message_size: usize::try_from(max).unwrap_or(usize::MAX),
+            budget: settings.batch_budget(),
+            confirm_timeout: settings.amqp.confirm_timeout,
+            memory: Mutex::new(Memory::default()),
+        }
+    }
+
+    /// Run one batch. `lease` is asked right before publishing: anything but `Held` rolls
+    /// back (nothing has been sent yet). `stop` ends publishing early; what was sent is
+    /// still awaited and committed.
     pub async fn run_batch(
         &self,
         store: &Store,
         bus: &Bus,
         lease: impl Fn() -> Lease,
+        stop: &CancellationToken,
     ) -> Result<BatchOutcome, ScanError> {
         let started = Instant::now();
         let mut tx = store.begin().await?;
-        let rows = store.lock_due(&mut tx, self.batch_size).await?;
+        let skip = self.skipped();
+        let rows = store
+            .lock_due(&mut tx, self.batch_size, self.max_message_size, &skip)
+            .await?;
         let mut outcome = BatchOutcome {
             locked: rows.len(),
             ..BatchOutcome::default()
@@ -94,61 +151,133 @@ impl Scanner {
             outcome.duration = started.elapsed();
             return Ok(outcome);
         }
-        let (fired, failed) = self.publish(bus, &rows).await?;
-        let (failures, reasons): (Vec<Failure>, Vec<&'static str>) = failed.into_iter().unzip();
-        store.delete(&mut tx, &fired).await?;
-        store.record_failures(&mut tx, &failures).await?;
-        if lease() == Lease::Stale {
-            tx.rollback().await.map_err(StoreError::from)?;
-            outcome.lease_lost = true;
-        } else {
-            tx.commit().await.map_err(StoreError::from)?;
-            outcome.fired = fired.len();
-            outcome.failed = failures.len();
-            outcome.failure_reasons = reasons;
-            outcome.lateness = lateness(&rows, &fired);
+        let budget = self.budget_from(started, stop);
+        let judged = self.publish(bus, &rows, &budget).await;
+        outcome.bus_trouble = judged.trouble;
+        // From here on the batch commits: the broker may have confirmed TimeOuts.
+        let settled = match store.settle(&mut tx, &judged.fired, &judged.failures).await {
+            Ok(s) => tx.commit().await.map_err(StoreError::from).map(|()| s),
+            Err(e) => Err(e),
+        };
+        let settled = match settled {
+            Ok(s) => s,
+            Err(source) => {
+                self.remember_leftovers(&rows, &judged.fired);
+                return Err(ScanError::Commit {
+                    fired: judged.fired.len(),
+                    source,
+                });
+            }
+        };
+        for (id, why) in &settled.parked {
+            tracing::error!(%id, "{why}; parked (it will not fire again; delete it by hand)");
         }
+        self.skip_unrecorded(&settled.unrecorded);
+        outcome.fired = judged.fired.len();
+        outcome.failed = judged.failures.len();
+        outcome.untouched = judged.untouched;
+        outcome.parked = settled.parked.len();
+        outcome.failure_reasons = judged.reasons;
+        outcome.lateness = lateness(&rows, &judged.fired);
         outcome.duration = started.elapsed();
         Ok(outcome)
     }
 
-    /// Publish every row's TimeOut and sort the rows into confirmed ids and failures.
-    async fn publish(
-        &self,
-        bus: &Bus,
-        rows: &[DueRow],
-    ) -> Result<(Vec<Uuid>, Vec<(Failure, &'static str)>), BusError> {
+    /// Delete the confirmed rows of batches that failed to commit (if their deadline is
+    /// unchanged): without this they would fire again. Kept for the next try on error.
+    pub async fn settle_leftovers(&self, store: &Store) -> Result<u64, StoreError> {
+        let leftovers = std::mem::take(&mut self.memory().leftovers);
+        if leftovers.is_empty() {
+            return Ok(0);
+        }
+        match store.delete_fired(&leftovers).await {
+            Ok(n) => Ok(n),
+            Err(e) => {
+                let mut m = self.memory();
+                m.leftovers.extend(leftovers);
+                m.leftovers.truncate(MEMORY);
+                Err(e)
+            }
+        }
+    }
+
+    fn budget_from(&self, started: Instant, stop: &CancellationToken) -> Budget {
+        let confirm_until = started + self.budget;
+        Budget {
+            send_until: confirm_until
+                .checked_sub(self.confirm_timeout)
+                .unwrap_or(started),
+            confirm_until,
+            stop: stop.clone(),
+        }
+    }
+
+    /// Build every row's TimeOut, publish them, and sort the rows by fate.
+    async fn publish(&self, bus: &Bus, rows: &[DueRow], budget: &Budget) -> Judged {
+        let mut judged = Judged::default();
+        let mut sendable = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
-        let mut invalid = Vec::new();
-        for row in rows {
-            match timeout_message(row, self.node_id) {
-                Ok(m) => messages.push((row, m)),
-                Err(e) => invalid.push(self.failure(row, &e)),
+        {
+            let memory = self.memory();
+            for row in rows {
+                match self.timeout_message(row) {
+                    Ok(mut m) => {
+                        m.alone = memory.suspects.contains_key(&row.id);
+                        sendable.push(row);
+                        messages.push(m);
+                    }
+                    Err(e) => judged.fail(self.failure(row, &e)),
+                }
             }
         }
-        let outgoing: Vec<Outgoing> = messages.iter().map(|(_, m)| m.clone()).collect();
-        let results = bus.publish_confirmed(&outgoing).await?;
-        if !bus.is_healthy() {
-            // The connection died under the batch: that says nothing about the rows, so
-            // roll back instead of charging them a failed attempt.
-            return Err(BusError::ConnectionLost);
+        let published = bus.publish_batch(&messages, budget).await;
+        judged.trouble = published.trouble;
+        for ((row, m), fate) in sendable.iter().zip(&messages).zip(published.fates) {
+            self.judge(row, m.alone, fate, &mut judged);
         }
-        let mut fired = Vec::with_capacity(rows.len());
-        let mut failures = invalid;
-        for ((row, _), result) in messages.iter().zip(results) {
-            match result {
-                Ok(()) => fired.push(row.id),
-                Err(e) => failures.push(self.failure(row, &e)),
+        judged
+    }
+
+    fn judge(&self, row: &DueRow, alone: bool, fate: Fate, judged: &mut Judged) {
+        let fate = self.note_suspect(row.id, alone, fate);
+        match fate {
+            Fate::Confirmed => judged.fired.push(row.id),
+            Fate::Failed(e) => judged.fail(self.failure(row, &e)),
+            Fate::Unsent => judged.untouched += 1,
+            Fate::Unknown(why) => {
+                tracing::warn!(id = %row.id, "TimeOut may or may not have been delivered \
+                    (channel closed before its confirm: {why}); it will be sent again, alone");
+                judged.untouched += 1;
             }
         }
-        Ok((fired, failures))
+    }
+
+    /// Keep track of rows whose fate was unknown; one that stays unknown while published
+    /// alone is the cause of its channel's closing: it fails.
+    fn note_suspect(&self, id: Uuid, alone: bool, fate: Fate) -> Fate {
+        let mut memory = self.memory();
+        let Fate::Unknown(why) = fate else {
+            memory.suspects.remove(&id);
+            return fate;
+        };
+        let strikes = memory.suspects.entry(id).or_default();
+        *strikes += u8::from(alone);
+        if *strikes < UNKNOWN_STRIKES {
+            if memory.suspects.len() > MEMORY {
+                memory.suspects.clear();
+            }
+            return Fate::Unknown(why);
+        }
+        memory.suspects.remove(&id);
+        Fate::Failed(PublishError::Channel(why))
     }
 
     fn failure(&self, row: &DueRow, error: &PublishError) -> (Failure, &'static str) {
         let attempts = u32::try_from(row.attempts).unwrap_or(0);
         tracing::warn!(
             id = %row.id, exchange = %row.exchange, routing_key = %row.routing_key,
-            attempts = attempts + 1, reason = error.reason(), "TimeOut not published: {error}"
+            attempts = attempts.saturating_add(1), reason = error.reason(),
+            "TimeOut not published: {error}"
         );
         let failure = Failure {
             id: row.id,
@@ -156,6 +285,73 @@ impl Scanner {
             delay: backoff::exponential(self.retry_min, self.retry_max, attempts),
         };
         (failure, error.reason())
+    }
+
+    fn remember_leftovers(&self, rows: &[DueRow], fired: &[Uuid]) {
+        let mut memory = self.memory();
+        let fired = rows
+            .iter()
+            .filter(|r| fired.contains(&r.id))
+            .map(|r| Fired {
+                id: r.id,
+                timeout_at: r.timeout_at,
+            });
+        memory.leftovers.extend(fired);
+        memory.leftovers.truncate(MEMORY);
+    }
+
+    /// Rows whose failure could not even be written would be locked again at once and
+    /// fail again: hold them back for a backoff, in memory.
+    fn skip_unrecorded(&self, unrecorded: &[(Uuid, String)]) {
+        let mut memory = self.memory();
+        let until = Instant::now() + self.retry_min;
+        for (id, why) in unrecorded {
+            tracing::error!(%id, "cannot record the failure of this row: {why}");
+            memory.skip.insert(*id, until);
+        }
+        if memory.skip.len() > MEMORY {
+            memory.skip.clear();
+        }
+    }
+
+    fn skipped(&self) -> Vec<Uuid> {
+        let mut memory = self.memory();
+        let now = Instant::now();
+        memory.skip.retain(|_, until| *until > now);
+        memory.skip.keys().copied().collect()
+    }
+
+    fn memory(&self) -> MutexGuard<'_, Memory> {
+        // Bookkeeping maps: a panicking holder leaves nothing half-done that matters.
+        self.memory.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The contract's TimeOut for one row.
+    pub fn timeout_message(&self, row: &DueRow) -> Result<Outgoing, PublishError> {
+        if let Some(size) = row.payload_withheld() {
+            return Err(PublishError::TooLarge {
+                size,
+                max: self.max_message_size,
+            });
+        }
+        timeout_message(row, self.node_id)
+    }
+}
+
+/// Rows sorted by fate.
+#[derive(Default)]
+struct Judged {
+    fired: Vec<Uuid>,
+    failures: Vec<Failure>,
+    reasons: Vec<&'static str>,
+    untouched: usize,
+    trouble: Option<BusError>,
+}
+
+impl Judged {
+    fn fail(&mut self, (failure, reason): (Failure, &'static str)) {
+        self.failures.push(failure);
+        self.reasons.push(reason);
     }
 }
 
@@ -170,19 +366,10 @@ fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Micros, true)
 }
 
-/// The contract's TimeOut for one row.
+/// The contract's TimeOut for one row (the payload, if any, is embedded as it is).
 pub fn timeout_message(row: &DueRow, node: Uuid) -> Result<Outgoing, PublishError> {
     let correlation = ShortString::try_new(row.process_id.as_str())
         .map_err(|_| PublishError::Invalid("process_id longer than 255 bytes".into()))?;
-    let body = TimeOutBody {
-        expectation_id: row.id,
-        process_id: &row.process_id,
-        message_type: &row.message_type,
-        timeout_at: rfc3339(row.timeout_at),
-        fired_at: rfc3339(row.fired_at),
-        payload: &row.payload,
-    };
-    let body = serde_json::to_vec(&body).map_err(|e| PublishError::Invalid(e.to_string()))?;
     let properties = BasicProperties::default()
         .with_type(MESSAGE_TYPE.into())
         .with_message_id(row.id.to_string().into())
@@ -192,9 +379,33 @@ pub fn timeout_message(row: &DueRow, node: Uuid) -> Result<Outgoing, PublishErro
         .with_timestamp(u64::try_from(row.fired_at.timestamp()).unwrap_or(0))
         .with_headers(bus::header(NODE_HEADER, &node.to_string()));
     Ok(Outgoing {
+        message_id: row.id.to_string(),
         exchange: row.exchange.clone(),
         routing_key: row.routing_key.clone(),
         properties,
-        body,
+        body: timeout_body(row)?,
+        alone: false,
     })
+}
+
+/// The body, with the payload spliced in as the text Postgres printed: jsonb is always
+/// valid JSON, and re-encoding it would refuse what a JSON library cannot represent
+/// (numbers beyond f64, deep nesting) although the consumer may well read it.
+fn timeout_body(row: &DueRow) -> Result<Vec<u8>, PublishError> {
+    let head = TimeOutHead {
+        expectation_id: row.id,
+        process_id: &row.process_id,
+        message_type: &row.message_type,
+        timeout_at: rfc3339(row.timeout_at),
+        fired_at: rfc3339(row.fired_at),
+    };
+    let mut body = serde_json::to_vec(&head).map_err(|e| PublishError::Invalid(e.to_string()))?;
+    let payload = row.payload.as_deref().unwrap_or("null");
+    // `{…}` becomes `{…,"payload":<payload>}`.
+    body.pop();
+    body.reserve(payload.len() + 12);
+    body.extend_from_slice(b",\"payload\":");
+    body.extend_from_slice(payload.as_bytes());
+    body.push(b'}');
+    Ok(body)
 }

@@ -22,12 +22,7 @@ const SUMMARY_EVERY: Duration = Duration::from_secs(1);
 /// The scan loop of one node (runs for the daemon's whole life; idle while passive).
 pub(crate) async fn scan_loop(shared: Arc<Shared>) {
     let settings = &shared.settings;
-    let scanner = Scanner {
-        node_id: shared.node_id,
-        batch_size: settings.scan.batch_size,
-        retry_min: settings.scan.retry_min,
-        retry_max: settings.scan.retry_max,
-    };
+    let scanner = Scanner::new(shared.node_id, settings);
     let wake = Arc::new(Notify::new());
     let listener = tokio::spawn(listen(shared.clone(), wake.clone()));
     let mut role = shared.role.subscribe();
@@ -55,9 +50,8 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
                 }
                 Err(e) => {
                     let delay = backoff.next_delay();
-                    tracing::error!(error = %e, retry_in = ?delay, "scan failed, rolled back");
-                    let db = matches!(e, ScanError::Store(_));
-                    shared.update_status(|s| s.database_ok = Some(!db));
+                    tracing::error!(error = %e, retry_in = ?delay, "scan failed");
+                    shared.update_status(|s| s.database_ok = Some(false));
                     delay
                 }
             },
@@ -135,7 +129,15 @@ async fn drain(
     let parallel = shared.settings.scan.concurrency as usize;
     let mut locked = 0;
     loop {
-        let round = (0..parallel).map(|_| scanner.run_batch(&shared.store, bus, || shared.lease()));
+        let deleted = scanner.settle_leftovers(&shared.store).await?;
+        if deleted > 0 {
+            tracing::info!(
+                deleted,
+                "deleted the fired rows of a batch that had not committed"
+            );
+        }
+        let round = (0..parallel)
+            .map(|_| scanner.run_batch(&shared.store, bus, || shared.lease(), &shared.stop));
         let mut full = false;
         let mut lost = false;
         for outcome in futures_util::future::join_all(round).await {
@@ -156,6 +158,9 @@ fn record(shared: &Shared, outcome: &BatchOutcome, summary: &mut Summary) {
     if outcome.lease_lost {
         tracing::warn!(locked = outcome.locked, "lease lost: batch rolled back");
         return;
+    }
+    if let Some(e) = &outcome.bus_trouble {
+        tracing::warn!(error = %e, untouched = outcome.untouched, "publishing failed under the batch");
     }
     if outcome.locked == 0 {
         return;

@@ -35,10 +35,25 @@ pub struct DueRow {
     pub timeout_at: DateTime<Utc>,
     pub exchange: String,
     pub routing_key: String,
-    pub payload: Option<serde_json::Value>,
+    /// The payload as Postgres prints it (always valid JSON), embedded in the TimeOut as
+    /// is: jsonb holds numbers and nesting depths that a JSON library may refuse, and
+    /// such a row must still fire. `None` for SQL NULL, and for a payload larger than the
+    /// limit the scan asked for (then `payload_bytes` says how large).
+    pub payload: Option<String>,
+    pub payload_bytes: Option<i32>,
     pub attempts: i32,
     /// Database clock when the row was read: never before `timeout_at`.
     pub fired_at: DateTime<Utc>,
+}
+
+impl DueRow {
+    /// The payload was left in the database because it is larger than the limit.
+    pub fn payload_withheld(&self) -> Option<usize> {
+        match (&self.payload, self.payload_bytes) {
+            (None, Some(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+            _ => None,
+        }
+    }
 }
 
 /// A publish that did not go through: the row stays and is retried after `delay`.
@@ -48,6 +63,31 @@ pub struct Failure {
     pub error: String,
     pub delay: Duration,
 }
+
+/// A row whose TimeOut was confirmed but whose batch did not commit: it is deleted
+/// later if it still has the deadline it was fired for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fired {
+    pub id: Uuid,
+    pub timeout_at: DateTime<Utc>,
+}
+
+/// What [`Store::settle`] could not do the fast way.
+#[derive(Debug, Default)]
+pub struct Settlement {
+    /// Confirmed rows that could not be deleted (a constraint or trigger of the process
+    /// manager refused): kept with `retry_at = 'infinity'` so they never fire again.
+    pub parked: Vec<(Uuid, String)>,
+    /// Rows whose bookkeeping could not be written at all: the caller must not retry
+    /// them at once.
+    pub unrecorded: Vec<(Uuid, String)>,
+}
+
+/// Longest `last_error` stored; the rest of a long error message adds nothing.
+const MAX_ERROR_CHARS: usize = 1000;
+/// `attempts + 1` that cannot overflow (rows written by other tools may hold anything).
+const NEXT_ATTEMPT: &str = "CASE WHEN m.attempts < 2147483647 THEN m.attempts + 1 \
+                            ELSE m.attempts END";
 
 /// What `timeoutd pending` and the gauges report.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -70,6 +110,9 @@ pub struct PendingRow {
     pub attempts: i32,
     pub last_error: Option<String>,
     pub retry_at: Option<DateTime<Utc>>,
+    /// Its TimeOut was delivered but the row could not be deleted: it never fires again
+    /// and waits for an operator (see `last_error`).
+    pub parked: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,12 +121,38 @@ pub enum PendingFilter {
     Failing,
 }
 
+/// Due means: the deadline has passed and so has any retry time (`greatest` ignores
+/// NULL). The expression index of migration 0003 serves exactly this expression.
+const DUE_AT: &str = "greatest(m.timeout_at, m.retry_at)";
+/// Clamped so '-infinity' / 'infinity' deadlines still decode (and fire, if due).
+const DEADLINE: &str = "least(greatest(m.timeout_at, '0001-01-01T00:00:00Z'), \
+                        '9999-12-31T23:59:59Z')";
+
+/// The statement that finds and locks due rows, for `table` (bound: `$1` limit, `$2`
+/// largest payload to fetch in bytes, `$3` ids to skip). The benchmark runs it too.
+pub fn lock_due_sql(table: &str) -> String {
+    // `timeout_at <= now()` is implied by the due expression; it is spelled out so that
+    // no change to the bookkeeping can ever make a row fire before its deadline. The
+    // payload is rendered once per row (OFFSET 0 keeps the subquery from being inlined
+    // into each use) and left behind when it is too large to publish.
+    format!(
+        "SELECT m.id, m.process_id, m.message_type, {DEADLINE} AS timeout_at, m.exchange, \
+         m.routing_key, CASE WHEN octet_length(p.text) <= $2 THEN p.text END AS payload, \
+         octet_length(p.text) AS payload_bytes, m.attempts, clock_timestamp() AS fired_at \
+         FROM {table} AS m, LATERAL (SELECT m.payload::text OFFSET 0) AS p(text) \
+         WHERE {DUE_AT} <= now() AND m.timeout_at <= now() AND m.id <> ALL($3) \
+         ORDER BY {DUE_AT} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
+    )
+}
+
 #[derive(Debug, Clone)]
 struct Sql {
     lock_due: Arc<str>,
     next_due: Arc<str>,
     delete: Arc<str>,
+    delete_fired: Arc<str>,
     fail: Arc<str>,
+    park: Arc<str>,
     counts: Arc<str>,
     list_all: Arc<str>,
     list_failing: Arc<str>,
@@ -92,34 +161,38 @@ struct Sql {
 impl Sql {
     fn new(schema: &str) -> Self {
         let t = format!("{schema}.expected_messages");
-        let due = "coalesce(retry_at, timeout_at)";
-        // Clamped so '-infinity' / 'infinity' deadlines still decode (and fire, if due).
-        let deadline = "least(greatest(timeout_at, '0001-01-01T00:00:00Z'), \
-                        '9999-12-31T23:59:59Z') AS timeout_at";
+        // A parked row's retry_at is 'infinity', which no client type holds: it is shown
+        // as `parked` instead.
         let cols = format!(
-            "id, process_id, message_type, {deadline}, exchange, routing_key, attempts, \
-             last_error, retry_at"
+            "m.id, m.process_id, m.message_type, {DEADLINE} AS timeout_at, m.exchange, \
+             m.routing_key, m.attempts, m.last_error, \
+             CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
+             coalesce(m.retry_at = 'infinity', false) AS parked"
         );
         Self {
-            lock_due: format!(
-                "SELECT id, process_id, message_type, {deadline}, exchange, routing_key, \
-                 payload, attempts, clock_timestamp() AS fired_at \
-                 FROM {t} WHERE {due} <= now() ORDER BY {due} LIMIT $1 \
-                 FOR UPDATE SKIP LOCKED"
-            )
-            .into(),
+            lock_due: lock_due_sql(&t).into(),
             // Seconds from now (database clock) to the earliest deadline: one index probe.
             next_due: format!(
-                "SELECT extract(epoch FROM ({due} - now()))::float8 FROM {t} \
-                 ORDER BY {due} LIMIT 1"
+                "SELECT extract(epoch FROM ({DUE_AT} - now()))::float8 FROM {t} AS m \
+                 ORDER BY {DUE_AT} LIMIT 1"
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = ANY($1)").into(),
+            delete_fired: format!(
+                "DELETE FROM {t} AS m USING unnest($1::uuid[], $2::timestamptz[]) AS f(id, at) \
+                 WHERE m.id = f.id AND {DEADLINE} = f.at"
+            )
+            .into(),
             fail: format!(
-                "UPDATE {t} AS m SET attempts = m.attempts + 1, last_error = f.error, \
+                "UPDATE {t} AS m SET attempts = {NEXT_ATTEMPT}, last_error = f.error, \
                  retry_at = now() + make_interval(secs => f.delay) \
                  FROM unnest($1::uuid[], $2::text[], $3::float8[]) AS f(id, error, delay) \
                  WHERE m.id = f.id"
+            )
+            .into(),
+            park: format!(
+                "UPDATE {t} AS m SET attempts = {NEXT_ATTEMPT}, last_error = $2, \
+                 retry_at = 'infinity' WHERE m.id = $1"
             )
             .into(),
             counts: format!(
@@ -129,9 +202,9 @@ impl Sql {
                  count(*) FILTER (WHERE attempts > 0) AS failing FROM {t}"
             )
             .into(),
-            list_all: format!("SELECT {cols} FROM {t} ORDER BY timeout_at LIMIT $1").into(),
+            list_all: format!("SELECT {cols} FROM {t} AS m ORDER BY m.timeout_at LIMIT $1").into(),
             list_failing: format!(
-                "SELECT {cols} FROM {t} WHERE attempts > 0 ORDER BY timeout_at LIMIT $1"
+                "SELECT {cols} FROM {t} AS m WHERE m.attempts > 0 ORDER BY m.timeout_at LIMIT $1"
             )
             .into(),
         }
@@ -185,18 +258,29 @@ impl Store {
         Ok(())
     }
 
+    /// A scan transaction. READ COMMITTED whatever the server's default (a serialization
+    /// failure at commit would fail a batch whose TimeOuts are already confirmed), and
+    /// every deferred constraint checked at its statement instead of at COMMIT, so that a
+    /// row the process manager's constraints refuse to delete fails in `settle`, alone,
+    /// and never the commit of the whole batch.
     pub async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
-        Ok(self.pool.begin().await?)
+        let begin = "BEGIN ISOLATION LEVEL READ COMMITTED; SET CONSTRAINTS ALL IMMEDIATE";
+        Ok(self.pool.begin_with(begin).await?)
     }
 
-    /// Lock up to `limit` due rows, oldest deadline first, skipping rows another scan holds.
+    /// Lock up to `limit` due rows, oldest due first, skipping rows another scan holds and
+    /// the ids in `skip`. Payloads over `max_payload` bytes are left in the database.
     pub async fn lock_due(
         &self,
         tx: &mut PgConnection,
         limit: u32,
+        max_payload: usize,
+        skip: &[Uuid],
     ) -> Result<Vec<DueRow>, StoreError> {
         let rows = sqlx::query_as(safe(&self.sql.lock_due))
             .bind(i64::from(limit))
+            .bind(i64::try_from(max_payload).unwrap_or(i64::MAX))
+            .bind(skip)
             .fetch_all(tx)
             .await?;
         Ok(rows)
@@ -226,29 +310,131 @@ impl Store {
         Ok(listener)
     }
 
-    /// Delete the rows whose TimeOut was confirmed.
-    pub async fn delete(&self, tx: &mut PgConnection, ids: &[Uuid]) -> Result<u64, StoreError> {
-        if ids.is_empty() {
-            return Ok(0);
+    /// Write the fate of a batch whose TimeOuts were published: delete the confirmed
+    /// rows, charge the failed ones. One row must not be able to fail it (a confirmed
+    /// batch is never rolled back): a write the database refuses is undone to a
+    /// savepoint and retried on halves until the refusing rows stand alone; those are
+    /// parked (confirmed) or reported (failed). Only a broken connection is an error.
+    pub async fn settle(
+        &self,
+        tx: &mut PgConnection,
+        confirmed: &[Uuid],
+        failures: &[Failure],
+    ) -> Result<Settlement, StoreError> {
+        let mut out = Settlement::default();
+        if self
+            .attempt(tx, Write::Both(confirmed, failures))
+            .await?
+            .is_ok()
+        {
+            return Ok(out);
         }
-        let done = sqlx::query(safe(&self.sql.delete))
+        for (id, error) in self.in_halves(tx, confirmed, Write::Delete).await? {
+            let why = format!("TimeOut delivered, but the row cannot be deleted: {error}");
+            match self.attempt(tx, Write::Park(id, &why)).await? {
+                Ok(()) => out.parked.push((id, why)),
+                Err(e) => out.unrecorded.push((id, e)),
+            }
+        }
+        let refused = self.in_halves(tx, failures, Write::Charge).await?;
+        out.unrecorded
+            .extend(refused.into_iter().map(|(f, e)| (f.id, e)));
+        Ok(out)
+    }
+
+    /// Delete rows fired by a batch that failed to commit, if they still have the
+    /// deadline they were fired for (a moved deadline is the process manager's new
+    /// intent: that row fires again). Its own short transaction; returns rows deleted.
+    pub async fn delete_fired(&self, fired: &[Fired]) -> Result<u64, StoreError> {
+        let ids: Vec<Uuid> = fired.iter().map(|f| f.id).collect();
+        let at: Vec<DateTime<Utc>> = fired.iter().map(|f| f.timeout_at).collect();
+        let done = sqlx::query(safe(&self.sql.delete_fired))
             .bind(ids)
-            .execute(tx)
+            .bind(at)
+            .execute(&self.pool)
             .await?;
         Ok(done.rows_affected())
     }
 
-    /// Keep the rows whose publish failed: attempts + 1, last_error, retry_at = now + delay.
-    pub async fn record_failures(
+    /// Run `write` on all `items`; where the database refuses, on each half, down to
+    /// single items, which are returned with the database's reason.
+    async fn in_halves<'a, T: Clone>(
         &self,
         tx: &mut PgConnection,
-        failures: &[Failure],
-    ) -> Result<(), StoreError> {
+        items: &'a [T],
+        write: impl Fn(&'a [T]) -> Write<'a>,
+    ) -> Result<Vec<(T, String)>, StoreError> {
+        let mut refused = Vec::new();
+        let mut todo = vec![items];
+        while let Some(part) = todo.pop() {
+            match (self.attempt(tx, write(part)).await?, part) {
+                (Ok(()), _) | (_, []) => {}
+                (Err(e), [one]) => refused.push((one.clone(), e)),
+                (Err(_), _) => {
+                    let (a, b) = part.split_at(part.len() / 2);
+                    todo.extend([b, a]);
+                }
+            }
+        }
+        Ok(refused)
+    }
+
+    /// One write inside a savepoint: `Ok(Err(reason))` when the database refused it (and
+    /// it was undone), `Err` when the connection failed or the statement timed out.
+    async fn attempt(
+        &self,
+        tx: &mut PgConnection,
+        write: Write<'_>,
+    ) -> Result<Result<(), String>, StoreError> {
+        sqlx::query("SAVEPOINT settle").execute(&mut *tx).await?;
+        match self.write(tx, write).await {
+            Ok(()) => Ok(Ok(())),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() != Some(QUERY_CANCELED) => {
+                sqlx::query("ROLLBACK TO SAVEPOINT settle")
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(Err(e.to_string()))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn write(&self, tx: &mut PgConnection, write: Write<'_>) -> Result<(), sqlx::Error> {
+        match write {
+            Write::Both(ids, failures) => {
+                self.delete(tx, ids).await?;
+                self.charge(tx, failures).await
+            }
+            Write::Delete(ids) => self.delete(tx, ids).await,
+            Write::Charge(failures) => self.charge(tx, failures).await,
+            Write::Park(id, why) => {
+                sqlx::query(safe(&self.sql.park))
+                    .bind(id)
+                    .bind(truncate(why))
+                    .execute(tx)
+                    .await?;
+                Ok(())
+            }
+        }
+    }
+
+    async fn delete(&self, tx: &mut PgConnection, ids: &[Uuid]) -> Result<(), sqlx::Error> {
+        if !ids.is_empty() {
+            sqlx::query(safe(&self.sql.delete))
+                .bind(ids)
+                .execute(tx)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// attempts + 1 (saturating), last_error, retry_at = now + delay.
+    async fn charge(&self, tx: &mut PgConnection, failures: &[Failure]) -> Result<(), sqlx::Error> {
         if failures.is_empty() {
             return Ok(());
         }
         let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
-        let errors: Vec<String> = failures.iter().map(|f| f.error.clone()).collect();
+        let errors: Vec<String> = failures.iter().map(|f| truncate(&f.error)).collect();
         let delays: Vec<f64> = failures.iter().map(|f| f.delay.as_secs_f64()).collect();
         sqlx::query(safe(&self.sql.fail))
             .bind(ids)
@@ -302,6 +488,21 @@ impl Store {
     pub async fn close(&self) {
         self.pool.close().await;
     }
+}
+
+/// One write of [`Store::settle`].
+enum Write<'a> {
+    Both(&'a [Uuid], &'a [Failure]),
+    Delete(&'a [Uuid]),
+    Charge(&'a [Failure]),
+    Park(Uuid, &'a str),
+}
+
+/// SQLSTATE of a statement cancelled by `statement_timeout`: not the row's fault.
+const QUERY_CANCELED: &str = "57014";
+
+fn truncate(error: &str) -> String {
+    error.chars().take(MAX_ERROR_CHARS).collect()
 }
 
 /// The statements are built from a validated identifier only (see `Sql::new`).

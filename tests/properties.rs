@@ -75,7 +75,8 @@ proptest! {
     ) {
         let row = DueRow {
             id, process_id: process_id.clone(), message_type: message_type.clone(),
-            timeout_at, exchange, routing_key, payload: payload.clone(), attempts, fired_at,
+            timeout_at, exchange, routing_key, attempts, fired_at,
+            payload: payload.as_ref().map(|p| p.to_string()), payload_bytes: None,
         };
         match timeout_message(&row, Uuid::nil()) {
             Ok(m) => {

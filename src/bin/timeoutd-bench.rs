@@ -599,7 +599,8 @@ fn baseline_messages(queue: &str, n: usize) -> Result<Vec<(Uuid, timeoutd::bus::
                 timeout_at: now,
                 exchange: String::new(),
                 routing_key: queue.to_owned(),
-                payload: Some(serde_json::json!({ "i": i })),
+                payload: Some(serde_json::json!({ "i": i }).to_string()),
+                payload_bytes: None,
                 attempts: 0,
                 fired_at: now,
             };
@@ -1194,17 +1195,13 @@ async fn fill_not_due(env: &Env, table: &str, rows: u64) -> Result<()> {
     Ok(())
 }
 
-/// The exact statement of `Store::lock_due` (src/store.rs), for this schema.
-fn lock_due_sql(table: &str, limit: &str) -> String {
-    let due = "coalesce(retry_at, timeout_at)";
-    let deadline = "least(greatest(timeout_at, '0001-01-01T00:00:00Z'), \
-                    '9999-12-31T23:59:59Z') AS timeout_at";
-    format!(
-        "SELECT id, process_id, message_type, {deadline}, exchange, routing_key, \
-         payload, attempts, clock_timestamp() AS fired_at \
-         FROM {table} WHERE {due} <= now() ORDER BY {due} LIMIT {limit} \
-         FOR UPDATE SKIP LOCKED"
-    )
+/// The daemon's own due-row statement (`store::lock_due_sql`), run with its binds: a
+/// batch of `WINDOW`, payloads up to 16 MiB, nothing skipped.
+fn lock_due(sql: &str) -> sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(AssertSqlSafe(sql.to_owned()))
+        .bind(WINDOW as i64)
+        .bind(16i64 << 20)
+        .bind(Vec::<Uuid>::new())
 }
 
 /// Timed runs, round-robin over the tables: one list of milliseconds per table.
@@ -1213,7 +1210,10 @@ async fn time_scans(
     tables: &[(u64, String)],
     runs: usize,
 ) -> Result<Vec<Vec<f64>>> {
-    let statements: Vec<String> = tables.iter().map(|(_, t)| lock_due_sql(t, "$1")).collect();
+    let statements: Vec<String> = tables
+        .iter()
+        .map(|(_, t)| timeoutd::store::lock_due_sql(t))
+        .collect();
     let mut timings = vec![Vec::with_capacity(runs); tables.len()];
     for i in 0..runs + WARMUP_RUNS {
         for (sql, times) in statements.iter().zip(&mut timings) {
@@ -1230,10 +1230,7 @@ async fn time_scans(
 async fn time_scan(conn: &mut PgConnection, sql: &str) -> Result<f64> {
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     let started = Instant::now();
-    let found = sqlx::query(AssertSqlSafe(sql.to_owned()))
-        .bind(WINDOW as i64)
-        .fetch_all(&mut *tx)
-        .await?;
+    let found = lock_due(sql).fetch_all(&mut *tx).await?;
     let elapsed = started.elapsed().as_secs_f64() * 1e3;
     tx.rollback().await?;
     if !found.is_empty() {
@@ -1245,12 +1242,15 @@ async fn time_scan(conn: &mut PgConnection, sql: &str) -> Result<f64> {
 async fn explain(conn: &mut PgConnection, table: &str) -> Result<(Vec<String>, f64)> {
     let sql = format!(
         "EXPLAIN (ANALYZE, BUFFERS) {}",
-        lock_due_sql(table, &WINDOW.to_string())
+        timeoutd::store::lock_due_sql(table)
     );
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let plan: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql))
+    let plan: Vec<String> = lock_due(&sql)
         .fetch_all(&mut *tx)
-        .await?;
+        .await?
+        .iter()
+        .map(|r| sqlx::Row::try_get::<String, _>(r, 0))
+        .collect::<Result<_, _>>()?;
     tx.rollback().await?;
     let exec = plan
         .iter()

@@ -42,7 +42,7 @@ pub async fn pending(settings: &Settings, args: PendingArgs) -> anyhow::Result<E
 
 fn print_row(r: &PendingRow) {
     println!(
-        "{}  {}  {}  {}  exchange={:?} key={:?} attempts={}{}",
+        "{}  {}  {}  {}  exchange={:?} key={:?} attempts={}{}{}",
         r.id,
         r.timeout_at.to_rfc3339(),
         r.process_id,
@@ -50,6 +50,7 @@ fn print_row(r: &PendingRow) {
         r.exchange,
         r.routing_key,
         r.attempts,
+        if r.parked { " PARKED" } else { "" },
         r.last_error
             .as_ref()
             .map(|e| format!(" last_error={e:?}"))

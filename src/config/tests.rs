@@ -140,6 +140,21 @@ fn invalid_values_are_refused_naming_the_key() {
             "postgres.statement_timeout",
         ),
         (
+            "TIMEOUTD__AMQP__CONFIRM_TIMEOUT",
+            "6s",
+            "postgres.statement_timeout",
+        ),
+        (
+            "TIMEOUTD__AMQP__MAX_MESSAGE_SIZE",
+            "12",
+            "amqp.max_message_size",
+        ),
+        (
+            "TIMEOUTD__AMQP__MAX_MESSAGE_SIZE",
+            "lots",
+            "max_message_size",
+        ),
+        (
             "TIMEOUTD__POSTGRES__MAX_CONNECTIONS",
             "0",
             "postgres.max_connections",
@@ -168,6 +183,7 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__SCAN__BATCH_SIZE", "100000", "scan.batch_size"),
         ("TIMEOUTD__BACKOFF__MIN", "1m", "backoff.min"),
         ("TIMEOUTD__SHUTDOWN__TIMEOUT", "0s", "shutdown.timeout"),
+        ("TIMEOUTD__SHUTDOWN__TIMEOUT", "5s", "shutdown.timeout"),
         (
             "TIMEOUTD__AMQP__CA_FILE",
             "/nonexistent/ca.pem",

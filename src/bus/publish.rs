@@ -1,0 +1,455 @@
+//! Publishing one batch with confirms, and the fate of every message in it.
+//!
+//! Each message's fate comes from facts about that message, never from ordering luck:
+//! - a batch publishes on a confirm channel of its own (taken from a pool, given back only
+//!   when every confirm came in), so concurrent batches never see each other's returns,
+//!   confirms or channel closes;
+//! - a returned (unroutable) message is matched by its `message_id`, which the broker
+//!   sends back with it: lapin hands a return to whichever confirm resolves next, so the
+//!   confirm it arrives with says nothing about which message it was;
+//! - what can be checked before publishing is (names, size against
+//!   `amqp.max_message_size`);
+//! - refusals that close a channel (exchange missing or internal, access refused, a
+//!   broker limit) must hit one message only. So a message goes out *alone* on a channel
+//!   of its own when its exchange has not accepted one of our messages recently, or when
+//!   the caller asks (a message whose fate was unknown after a channel close). The first
+//!   message to an exchange is its pilot: once confirmed (or returned: the exchange
+//!   exists and accepts us) the exchange is trusted and the rest share the batch channel.
+//!   If an exchange refuses the pilot (404/403), every message of the batch for that
+//!   exchange fails with that reason; any other refusal fails the pilot alone and the next
+//!   message for that exchange becomes the pilot.
+//!
+//! The whole batch is bounded by a [`Budget`]: no message is sent after `send_until` or
+//! once `stop` is cancelled, no confirm is awaited past `confirm_until`.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use futures_util::future::join_all;
+use lapin::options::BasicPublishOptions;
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, PublisherConfirm};
+use tokio::time::timeout_at;
+use tokio_util::sync::CancellationToken;
+
+use super::{Bus, BusError};
+
+/// Pilots in flight at once (each holds a channel).
+const PILOT_PARALLEL: usize = 8;
+
+/// One message to publish with a confirm.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    /// Its `message_id`: how a returned message is matched to it.
+    pub message_id: String,
+    pub exchange: String,
+    pub routing_key: String,
+    pub properties: BasicProperties,
+    pub body: Vec<u8>,
+    /// Publish it on a channel of its own (its last attempt ended in a channel close).
+    pub alone: bool,
+}
+
+/// Why one message was not confirmed.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum PublishError {
+    #[error("exchange {0:?} does not exist")]
+    NoExchange(String),
+    #[error("refused by the broker: {0}")]
+    Refused(String),
+    #[error("unroutable: returned by the broker ({0})")]
+    Returned(String),
+    #[error("nacked by the broker")]
+    Nacked,
+    #[error("not confirmed within {0:?}")]
+    ConfirmTimeout(Duration),
+    #[error("invalid message: {0}")]
+    Invalid(String),
+    #[error("message of {size} bytes exceeds amqp.max_message_size ({max} bytes)")]
+    TooLarge { size: usize, max: usize },
+    #[error("channel closed by the broker: {0}")]
+    Channel(String),
+}
+
+impl PublishError {
+    /// Stable label for logs and metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            PublishError::NoExchange(_) => "no_exchange",
+            PublishError::Refused(_) => "refused",
+            PublishError::Returned(_) => "returned",
+            PublishError::Nacked => "nacked",
+            PublishError::ConfirmTimeout(_) => "confirm_timeout",
+            PublishError::Invalid(_) => "invalid",
+            PublishError::TooLarge { .. } => "too_large",
+            PublishError::Channel(_) => "channel",
+        }
+    }
+}
+
+/// What became of one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fate {
+    /// Confirmed by the broker and not returned: delivered.
+    Confirmed,
+    /// Not delivered, for a reason of its own: the caller keeps it and retries later.
+    Failed(PublishError),
+    /// Never sent (budget spent, stopping, or no channel): nothing happened to it.
+    Unsent,
+    /// Sent, but its channel or connection closed before the confirm: it may or may not
+    /// have been delivered.
+    Unknown(String),
+}
+
+/// The bounds of one batch.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    pub send_until: Instant,
+    pub confirm_until: Instant,
+    pub stop: CancellationToken,
+}
+
+impl Budget {
+    fn may_send(&self) -> bool {
+        Instant::now() < self.send_until && !self.stop.is_cancelled()
+    }
+}
+
+/// The fates of a batch, one per message in order, and what went wrong with the bus
+/// itself (no channel, connection lost), if anything.
+#[derive(Debug)]
+pub struct Published {
+    pub fates: Vec<Fate>,
+    pub trouble: Option<BusError>,
+}
+
+/// A pilot's outcome.
+enum Alone {
+    Delivered(Fate),
+    /// The exchange refused us: the same answer for every message to it.
+    ExchangeRefused(PublishError),
+    /// This message failed; the exchange may still take others.
+    Failed(PublishError),
+    Lost(String, BusError),
+    NoChannel(BusError),
+}
+
+/// Decided fates, messages handed on to the batch channel, bus trouble.
+#[derive(Default)]
+struct Decided {
+    fates: Vec<(usize, Fate)>,
+    promoted: Vec<usize>,
+    trouble: Option<BusError>,
+}
+
+impl Bus {
+    /// Publish `batch` (mandatory, confirm mode) within `budget`; one fate per message.
+    pub async fn publish_batch(&self, batch: &[Outgoing], budget: &Budget) -> Published {
+        let mut fates: Vec<Option<Fate>> = batch
+            .iter()
+            .map(|m| self.precheck(m).err().map(Fate::Failed))
+            .collect();
+        let (chains, mut shared) = self.plan(batch, &fates);
+        let pilots: Vec<Decided> = futures_util::stream::iter(chains)
+            .map(|chain| self.pilot_chain(batch, chain, budget))
+            .buffer_unordered(PILOT_PARALLEL)
+            .collect()
+            .await;
+        let mut trouble = None;
+        for d in pilots {
+            d.fates.into_iter().for_each(|(i, f)| fates[i] = Some(f));
+            shared.extend(d.promoted);
+            trouble = trouble.or(d.trouble);
+        }
+        // Oldest due first, as the rows were locked.
+        shared.sort_unstable();
+        let d = self.publish_shared(batch, &shared, budget).await;
+        d.fates.into_iter().for_each(|(i, f)| fates[i] = Some(f));
+        Published {
+            fates: fates
+                .into_iter()
+                .map(|f| f.unwrap_or(Fate::Unsent))
+                .collect(),
+            trouble: trouble.or(d.trouble),
+        }
+    }
+
+    /// Refuse what the broker would refuse by closing the channel, where we can tell.
+    fn precheck(&self, m: &Outgoing) -> Result<(), PublishError> {
+        short(&m.exchange, "exchange name")?;
+        short(&m.routing_key, "routing key")?;
+        let max = self.settings.max_message_size.as_u64();
+        let max = usize::try_from(max).unwrap_or(usize::MAX);
+        if m.body.len() > max {
+            return Err(PublishError::TooLarge {
+                size: m.body.len(),
+                max,
+            });
+        }
+        Ok(())
+    }
+
+    /// Pilot chains (one per untrusted exchange, one per message that must go alone) and
+    /// the messages that can share the batch channel at once.
+    fn plan(&self, batch: &[Outgoing], fates: &[Option<Fate>]) -> (Vec<Vec<usize>>, Vec<usize>) {
+        let trusted = self.trusted_exchanges();
+        let mut by_exchange: HashMap<&str, Vec<usize>> = HashMap::new();
+        let mut chains = Vec::new();
+        let mut shared = Vec::new();
+        for (i, m) in batch.iter().enumerate() {
+            if fates[i].is_some() {
+                continue;
+            }
+            if m.alone {
+                chains.push(vec![i]);
+            } else if trusted.contains(&m.exchange) {
+                shared.push(i);
+            } else {
+                by_exchange.entry(&m.exchange).or_default().push(i);
+            }
+        }
+        chains.extend(by_exchange.into_values());
+        (chains, shared)
+    }
+
+    /// Send the chain's messages alone, one after the other, until the exchange accepts
+    /// one; the rest then go to the batch channel.
+    async fn pilot_chain(&self, batch: &[Outgoing], chain: Vec<usize>, budget: &Budget) -> Decided {
+        let mut d = Decided::default();
+        let mut rest = chain.into_iter();
+        while let Some(i) = rest.next() {
+            if !budget.may_send() {
+                d.fates.push((i, Fate::Unsent));
+                continue;
+            }
+            match self.publish_alone(&batch[i], budget).await {
+                Alone::Delivered(fate) => {
+                    self.trust(&batch[i].exchange);
+                    d.fates.push((i, fate));
+                    d.promoted.extend(rest);
+                    break;
+                }
+                Alone::ExchangeRefused(e) => {
+                    d.fates.push((i, Fate::Failed(e.clone())));
+                    d.fates.extend(rest.map(|j| (j, Fate::Failed(e.clone()))));
+                    break;
+                }
+                Alone::Failed(e) => d.fates.push((i, Fate::Failed(e))),
+                Alone::Lost(why, e) => {
+                    d.fates.push((i, Fate::Unknown(why)));
+                    d.fates.extend(rest.map(|j| (j, Fate::Unsent)));
+                    d.trouble = Some(e);
+                    break;
+                }
+                Alone::NoChannel(e) => {
+                    d.fates.push((i, Fate::Unsent));
+                    d.fates.extend(rest.map(|j| (j, Fate::Unsent)));
+                    d.trouble = Some(e);
+                    break;
+                }
+            }
+        }
+        d
+    }
+
+    async fn publish_alone(&self, m: &Outgoing, budget: &Budget) -> Alone {
+        let channel = match self.confirm_channel().await {
+            Ok(c) => c,
+            Err(e) => return Alone::NoChannel(e),
+        };
+        let answer = match send(&channel, m).await {
+            Ok(confirm) => self.await_confirm(confirm, budget).await,
+            Err(e) => Err(Waited::Closed(e)),
+        };
+        match answer {
+            Ok(a) => {
+                self.give_back(channel);
+                let returned = a.returned.into_iter().collect();
+                Alone::Delivered(fate_of(m, Some(a.ack), &returned))
+            }
+            Err(Waited::TimedOut(after)) => Alone::Failed(PublishError::ConfirmTimeout(after)),
+            Err(Waited::Closed(e)) => self.closed_under(m, &e),
+        }
+    }
+
+    /// Classify the error that closed a pilot's channel.
+    fn closed_under(&self, m: &Outgoing, e: &lapin::Error) -> Alone {
+        if !self.is_healthy() {
+            return Alone::Lost(e.to_string(), BusError::ConnectionLost);
+        }
+        match soft_error(e) {
+            Some(AMQPSoftError::NOTFOUND) => {
+                Alone::ExchangeRefused(PublishError::NoExchange(m.exchange.clone()))
+            }
+            Some(AMQPSoftError::ACCESSREFUSED) => {
+                Alone::ExchangeRefused(PublishError::Refused(e.to_string()))
+            }
+            _ => Alone::Failed(PublishError::Channel(e.to_string())),
+        }
+    }
+
+    /// The trusted messages, pipelined on one channel of this batch.
+    async fn publish_shared(&self, batch: &[Outgoing], idx: &[usize], budget: &Budget) -> Decided {
+        let mut d = Decided::default();
+        if idx.is_empty() {
+            return d;
+        }
+        let channel = match self.confirm_channel().await {
+            Ok(c) => c,
+            Err(e) => {
+                d.fates.extend(idx.iter().map(|i| (*i, Fate::Unsent)));
+                d.trouble = Some(e);
+                return d;
+            }
+        };
+        let mut sent = Vec::with_capacity(idx.len());
+        for &i in idx {
+            if !budget.may_send() || !channel.status().connected() {
+                d.fates.push((i, Fate::Unsent));
+                continue;
+            }
+            match send(&channel, &batch[i]).await {
+                Ok(confirm) => sent.push((i, confirm)),
+                // Refused locally (the channel is already closed): never left the process.
+                Err(_) => d.fates.push((i, Fate::Unsent)),
+            }
+        }
+        let waited = join_all(
+            sent.into_iter()
+                .map(|(i, c)| async move { (i, self.await_confirm(c, budget).await) }),
+        )
+        .await;
+        let clean = self.judge_shared(batch, waited, &mut d);
+        if clean {
+            self.give_back(channel);
+        }
+        if !self.is_healthy() {
+            d.trouble = Some(BusError::ConnectionLost);
+        }
+        d
+    }
+
+    /// Fates of the shared channel's messages; true when every confirm came in (the
+    /// channel can serve another batch: nothing of this one can still arrive on it).
+    fn judge_shared(
+        &self,
+        batch: &[Outgoing],
+        waited: Vec<(usize, Result<Answer, Waited>)>,
+        d: &mut Decided,
+    ) -> bool {
+        // Every return first: it may have arrived with any message's confirm.
+        let returned: HashMap<String, String> = waited
+            .iter()
+            .filter_map(|(_, w)| w.as_ref().ok()?.returned.clone())
+            .collect();
+        let mut clean = true;
+        for (i, w) in waited {
+            let m = &batch[i];
+            let fate = match w {
+                Ok(a) => fate_of(m, Some(a.ack), &returned),
+                Err(Waited::TimedOut(after)) => {
+                    clean = false;
+                    match fate_of(m, None, &returned) {
+                        Fate::Unsent => Fate::Failed(PublishError::ConfirmTimeout(after)),
+                        known => known,
+                    }
+                }
+                Err(Waited::Closed(e)) => {
+                    clean = false;
+                    // The exchange may be the reason: prove it again before trusting it.
+                    self.distrust(&m.exchange);
+                    match fate_of(m, None, &returned) {
+                        Fate::Unsent => Fate::Unknown(e.to_string()),
+                        known => known,
+                    }
+                }
+            };
+            d.fates.push((i, fate));
+        }
+        clean
+    }
+
+    async fn await_confirm(
+        &self,
+        confirm: PublisherConfirm,
+        budget: &Budget,
+    ) -> Result<Answer, Waited> {
+        let limit = self.settings.confirm_timeout;
+        let until = (Instant::now() + limit).min(budget.confirm_until);
+        match timeout_at(until.into(), confirm).await {
+            Ok(Ok(c)) => Ok(Answer {
+                ack: c.is_ack(),
+                returned: c.take_message().and_then(returned_entry),
+            }),
+            Ok(Err(e)) => Err(Waited::Closed(e)),
+            Err(_) => Err(Waited::TimedOut(limit)),
+        }
+    }
+}
+
+/// The broker's answer to one publish: ack or nack, and a returned message that came
+/// with it (not necessarily this publish's own).
+struct Answer {
+    ack: bool,
+    returned: Option<(String, String)>,
+}
+
+/// How waiting for one confirm ended, when it did not end in a confirm.
+enum Waited {
+    TimedOut(Duration),
+    Closed(lapin::Error),
+}
+
+/// The fate of a message from facts about it alone: returned (by its message_id), then
+/// the broker's ack or nack; `None` when no confirm came.
+fn fate_of(m: &Outgoing, acked: Option<bool>, returned: &HashMap<String, String>) -> Fate {
+    if let Some(why) = returned.get(&m.message_id) {
+        return Fate::Failed(PublishError::Returned(why.clone()));
+    }
+    match acked {
+        Some(true) => Fate::Confirmed,
+        Some(false) => Fate::Failed(PublishError::Nacked),
+        None => Fate::Unsent,
+    }
+}
+
+/// A returned message's message_id, with the broker's reason.
+fn returned_entry(r: lapin::message::BasicReturnMessage) -> Option<(String, String)> {
+    let id = r.properties.message_id().as_ref()?.to_string();
+    Some((id, format!("{} {}", r.reply_code, r.reply_text)))
+}
+
+fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(p) => match p.kind() {
+            AMQPErrorKind::Soft(s) => Some(s.clone()),
+            AMQPErrorKind::Hard(_) => None,
+        },
+        _ => None,
+    }
+}
+
+async fn send(channel: &Channel, m: &Outgoing) -> Result<PublisherConfirm, lapin::Error> {
+    // Names were checked by `precheck`.
+    let exchange = ShortString::try_new(m.exchange.as_str()).unwrap_or_default();
+    let routing_key = ShortString::try_new(m.routing_key.as_str()).unwrap_or_default();
+    channel
+        .basic_publish(
+            exchange,
+            routing_key,
+            BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            },
+            &m.body,
+            m.properties.clone(),
+        )
+        .await
+}
+
+pub(super) fn short(s: &str, what: &str) -> Result<ShortString, PublishError> {
+    ShortString::try_new(s)
+        .map_err(|_| PublishError::Invalid(format!("{what} longer than 255 bytes")))
+}

@@ -1,0 +1,673 @@
+//! Randomized, adversarial mixes of rows in large concurrent batches, checked from the
+//! outside: what a consumer received and what stays in the table.
+//!
+//! Each case draws a few hundred rows of every kind at random — routable (topic exchange
+//! and default exchange), unroutable, missing exchange, internal exchange, payloads that a
+//! JSON library refuses (numbers beyond f64, nesting deeper than 128), payloads over
+//! `amqp.max_message_size`, ±infinity and far-past deadlines, a process id over 255 bytes,
+//! `attempts` at `i32::MAX`, a row whose old retry time is earlier than its moved
+//! deadline, a row the process manager's foreign key will not let go, and rows moved or
+//! cancelled by the process manager while their batch may be in flight — and runs them
+//! through two daemons with `scan.concurrency = 3` and small batches, into durable or
+//! transient queues. Then it checks every row against the contract:
+//! - every deliverable row arrives exactly once (no fault is injected here, so no
+//!   duplicate is allowed), with its payload byte for byte;
+//! - nothing arrives before its deadline (the moved one for a moved row);
+//! - every row that cannot be delivered is never received, stays in the table with
+//!   `attempts >= 1` and `last_error`, and is listed by `pending --failing`;
+//! - a row cancelled in time (DELETE said 1) never arrives; one too late (0) arrives once;
+//! - the row the foreign key keeps arrives once and is parked (never fired again).
+//!
+//! `ADVERSARIAL_CASES` (default 2), `ADVERSARIAL_ROWS` (default 300) and
+//! `ADVERSARIAL_SEED` (default: fixed seeds) widen it by hand.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ExchangeKind};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sqlx::AssertSqlSafe;
+use timeoutd::store::{PendingFilter, Store};
+use uuid::Uuid;
+
+use crate::common::{World, amqp, wait_for, wait_for_async};
+
+/// A small limit so that "too large" rows are cheap to make.
+const MAX_MESSAGE: usize = 64 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kind {
+    Topic,
+    DefaultExchange,
+    Unroutable,
+    MissingExchange,
+    InternalExchange,
+    HugeNumber,
+    DeepNesting,
+    TooLarge,
+    Infinity,
+    MinusInfinity,
+    MaxAttemptsRoutable,
+    MaxAttemptsUnroutable,
+    LongProcessId,
+    MovedAfterFailure,
+    ForeignKey,
+    Rescheduled,
+    Cancelled,
+}
+
+/// Weighted draw: most rows are ordinary, every kind appears in a few hundred rows.
+const KINDS: &[(Kind, u32)] = &[
+    (Kind::Topic, 30),
+    (Kind::DefaultExchange, 10),
+    (Kind::Unroutable, 6),
+    (Kind::MissingExchange, 4),
+    (Kind::InternalExchange, 3),
+    (Kind::HugeNumber, 4),
+    (Kind::DeepNesting, 3),
+    (Kind::TooLarge, 3),
+    (Kind::Infinity, 2),
+    (Kind::MinusInfinity, 2),
+    (Kind::MaxAttemptsRoutable, 2),
+    (Kind::MaxAttemptsUnroutable, 2),
+    (Kind::LongProcessId, 2),
+    (Kind::MovedAfterFailure, 3),
+    (Kind::ForeignKey, 1),
+    (Kind::Rescheduled, 6),
+    (Kind::Cancelled, 6),
+];
+
+impl Kind {
+    fn draw(rng: &mut StdRng) -> Self {
+        let total: u32 = KINDS.iter().map(|(_, w)| w).sum();
+        let mut pick = rng.random_range(0..total);
+        for (kind, w) in KINDS {
+            if pick < *w {
+                return *kind;
+            }
+            pick -= w;
+        }
+        Kind::Topic
+    }
+
+    /// Rows that can never be delivered: they must stay, failing, never received.
+    fn undeliverable(self) -> bool {
+        matches!(
+            self,
+            Kind::Unroutable
+                | Kind::MissingExchange
+                | Kind::InternalExchange
+                | Kind::TooLarge
+                | Kind::MaxAttemptsUnroutable
+                | Kind::LongProcessId
+        )
+    }
+}
+
+/// One planned row.
+#[derive(Debug, Clone)]
+struct Row {
+    id: Uuid,
+    kind: Kind,
+    process_id: String,
+    /// `timeout_at` as Postgres text (may be 'infinity').
+    timeout_at: String,
+    /// Deadline for the "never early" check; `None` = never due.
+    deadline: Option<DateTime<Utc>>,
+    exchange: String,
+    routing_key: String,
+    payload: Option<String>,
+    attempts: i32,
+    retry_at: Option<DateTime<Utc>>,
+}
+
+/// What the process manager did to a row while it was due.
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    /// UPDATE … SET timeout_at = new: rows affected, the new deadline.
+    Moved(u64, DateTime<Utc>),
+    /// DELETE: rows affected.
+    Deleted(u64),
+}
+
+/// Names of one case's RabbitMQ objects.
+struct Topology {
+    exchange: String,
+    internal: String,
+    missing: String,
+    queue: String,
+    durable: bool,
+}
+
+struct Case {
+    world: World,
+    topo: Topology,
+    rows: Vec<Row>,
+    rng: StdRng,
+}
+
+fn ms(n: i64) -> chrono::Duration {
+    chrono::Duration::milliseconds(n)
+}
+
+impl Case {
+    fn plan(world: World, seed: u64, n: usize, durable: bool) -> Self {
+        let tag = world.group.clone();
+        let topo = Topology {
+            exchange: format!("adv-{tag}"),
+            internal: format!("adv-internal-{tag}"),
+            missing: format!("adv-missing-{tag}"),
+            queue: format!("adv-q-{tag}"),
+            durable,
+        };
+        let mut rng = StdRng::seed_from_u64(seed);
+        let now = Utc::now();
+        let rows = (0..n).map(|i| plan_row(&mut rng, &topo, i, now)).collect();
+        Self {
+            world,
+            topo,
+            rows,
+            rng,
+        }
+    }
+
+    async fn insert(&self) {
+        let t = format!("{}.expected_messages", self.world.schema);
+        let sql = format!(
+            "INSERT INTO {t} (id, process_id, message_type, timeout_at, exchange, routing_key, \
+             payload, attempts, retry_at) \
+             SELECT id, p, 'Reply', at::timestamptz, x, k, pl::jsonb, a, r FROM unnest(\
+             $1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
+             $7::int4[], $8::timestamptz[]) AS u(id, p, at, x, k, pl, a, r)"
+        );
+        let col = |f: fn(&Row) -> String| self.rows.iter().map(f).collect::<Vec<_>>();
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(self.rows.iter().map(|r| r.id).collect::<Vec<_>>())
+            .bind(col(|r| r.process_id.clone()))
+            .bind(col(|r| r.timeout_at.clone()))
+            .bind(col(|r| r.exchange.clone()))
+            .bind(col(|r| r.routing_key.clone()))
+            .bind(
+                self.rows
+                    .iter()
+                    .map(|r| r.payload.clone())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(self.rows.iter().map(|r| r.attempts).collect::<Vec<_>>())
+            .bind(self.rows.iter().map(|r| r.retry_at).collect::<Vec<_>>())
+            .execute(&self.world.pool)
+            .await
+            .expect("insert rows");
+        self.hold_with_foreign_key().await;
+    }
+
+    /// The process manager's own table references some expectations; deleting those
+    /// fails (ON DELETE RESTRICT, checked at once or deferred to commit).
+    async fn hold_with_foreign_key(&self) {
+        let s = &self.world.schema;
+        for (name, deferral) in [
+            ("pm_refs", ""),
+            ("pm_refs_deferred", "DEFERRABLE INITIALLY DEFERRED"),
+        ] {
+            let ddl = format!(
+                "CREATE TABLE {s}.{name} (exp uuid REFERENCES {s}.expected_messages(id) \
+                 ON DELETE RESTRICT {deferral})"
+            );
+            sqlx::query(AssertSqlSafe(ddl))
+                .execute(&self.world.pool)
+                .await
+                .expect("pm table");
+        }
+        for (i, row) in self.of(Kind::ForeignKey).enumerate() {
+            let table = if i % 2 == 0 {
+                "pm_refs"
+            } else {
+                "pm_refs_deferred"
+            };
+            let sql = format!("INSERT INTO {s}.{table} VALUES ($1)");
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(row.id)
+                .execute(&self.world.pool)
+                .await
+                .expect("reference");
+        }
+    }
+
+    fn of(&self, kind: Kind) -> impl Iterator<Item = &Row> {
+        self.rows.iter().filter(move |r| r.kind == kind)
+    }
+
+    /// Move or cancel the rows of those kinds around their deadline, as a process manager
+    /// would when the awaited message arrives at the last moment.
+    fn act_in_flight(&mut self) -> Vec<tokio::task::JoinHandle<(Uuid, Action)>> {
+        let mut tasks = Vec::new();
+        let targets: Vec<Row> = self
+            .rows
+            .iter()
+            .filter(|r| matches!(r.kind, Kind::Rescheduled | Kind::Cancelled))
+            .cloned()
+            .collect();
+        for row in targets {
+            let deadline = row.deadline.expect("finite");
+            let at = deadline + ms(self.rng.random_range(-60..120));
+            let move_to = self.rng.random_range(800..2000);
+            let pool = self.world.pool.clone();
+            let table = format!("{}.expected_messages", self.world.schema);
+            tasks.push(tokio::spawn(async move {
+                let wait = (at - Utc::now()).to_std().unwrap_or_default();
+                tokio::time::sleep(wait).await;
+                let action = if row.kind == Kind::Cancelled {
+                    let sql = format!("DELETE FROM {table} WHERE id = $1");
+                    let done = sqlx::query(AssertSqlSafe(sql))
+                        .bind(row.id)
+                        .execute(&pool)
+                        .await;
+                    Action::Deleted(done.expect("delete").rows_affected())
+                } else {
+                    // A plain UPDATE, as a process manager that knows only the contract's
+                    // columns writes it (any retry_at stays behind).
+                    let sql = format!(
+                        "UPDATE {table} SET timeout_at = now() + make_interval(secs => $2) \
+                         WHERE id = $1 RETURNING timeout_at"
+                    );
+                    let moved: Option<DateTime<Utc>> = sqlx::query_scalar(AssertSqlSafe(sql))
+                        .bind(row.id)
+                        .bind(move_to as f64 / 1000.0)
+                        .fetch_optional(&pool)
+                        .await
+                        .expect("update");
+                    match moved {
+                        Some(new) => Action::Moved(1, new),
+                        None => Action::Moved(0, deadline),
+                    }
+                };
+                (row.id, action)
+            }));
+        }
+        tasks
+    }
+}
+
+fn plan_row(rng: &mut StdRng, topo: &Topology, i: usize, now: DateTime<Utc>) -> Row {
+    let kind = Kind::draw(rng);
+    // Most rows come due over the next 2.5 s, in bursts; some are already overdue.
+    let due = now + ms(rng.random_range(-2000..2500));
+    let mut row = Row {
+        id: Uuid::new_v4(),
+        kind,
+        process_id: format!("adv-{i}"),
+        timeout_at: due.to_rfc3339(),
+        deadline: Some(due),
+        exchange: topo.exchange.clone(),
+        routing_key: format!("ok.{i}"),
+        payload: Some(format!(r#"{{"i": {i}, "kind": "{kind:?}"}}"#)),
+        attempts: 0,
+        retry_at: None,
+    };
+    match kind {
+        Kind::Topic | Kind::Rescheduled | Kind::Cancelled | Kind::ForeignKey => {}
+        Kind::DefaultExchange => {
+            row.exchange = String::new();
+            row.routing_key = topo.queue.clone();
+        }
+        Kind::Unroutable => row.routing_key = format!("nowhere.{i}"),
+        Kind::MissingExchange => row.exchange = topo.missing.clone(),
+        Kind::InternalExchange => row.exchange = topo.internal.clone(),
+        Kind::HugeNumber => row.payload = Some(format!(r#"{{"big": 1e400, "i": {i}}}"#)),
+        Kind::DeepNesting => {
+            let depth = rng.random_range(130..400);
+            row.payload = Some(format!("{}{i}{}", "[".repeat(depth), "]".repeat(depth)));
+        }
+        Kind::TooLarge => row.payload = Some(format!(r#""{}""#, "x".repeat(MAX_MESSAGE + 10))),
+        Kind::Infinity => {
+            row.timeout_at = "infinity".into();
+            row.deadline = None;
+        }
+        Kind::MinusInfinity => {
+            row.timeout_at = "-infinity".into();
+            row.deadline = Some(DateTime::<Utc>::MIN_UTC);
+        }
+        Kind::MaxAttemptsRoutable => row.attempts = i32::MAX,
+        Kind::MaxAttemptsUnroutable => {
+            row.attempts = i32::MAX - rng.random_range(0..2);
+            row.routing_key = format!("nowhere.{i}");
+        }
+        Kind::LongProcessId => row.process_id = "p".repeat(300),
+        Kind::MovedAfterFailure => {
+            // It failed once (retry_at set, long past) and its deadline was moved later
+            // with a plain UPDATE: it must wait for the new deadline.
+            let later = now + ms(rng.random_range(1500..3000));
+            row.timeout_at = later.to_rfc3339();
+            row.deadline = Some(later);
+            row.attempts = 1;
+            row.retry_at = Some(now - ms(5000));
+        }
+    }
+    row
+}
+
+/// One received message: when, its id, its raw body.
+#[derive(Debug, Clone)]
+struct Got {
+    at: DateTime<Utc>,
+    id: String,
+    body: Vec<u8>,
+}
+
+/// The case's consumer queue (durable or not), bound to the topic exchange with `ok.#`,
+/// acknowledging what it took.
+struct Consumer {
+    got: Arc<Mutex<Vec<Got>>>,
+    conn: Connection,
+}
+
+impl Consumer {
+    async fn start(topo: &Topology) -> Self {
+        let conn = amqp().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        ch.exchange_declare(
+            topo.exchange.as_str().into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .expect("exchange");
+        let internal = ExchangeDeclareOptions {
+            internal: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        ch.exchange_declare(
+            topo.internal.as_str().into(),
+            ExchangeKind::Topic,
+            internal,
+            FieldTable::default(),
+        )
+        .await
+        .expect("internal exchange");
+        let queue = QueueDeclareOptions {
+            durable: topo.durable,
+            ..QueueDeclareOptions::default()
+        };
+        ch.queue_declare(topo.queue.as_str().into(), queue, FieldTable::default())
+            .await
+            .expect("queue");
+        ch.queue_bind(
+            topo.queue.as_str().into(),
+            topo.exchange.as_str().into(),
+            "ok.#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+        let mut consumer = ch
+            .basic_consume(
+                topo.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let sink = got.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(d)) = consumer.next().await {
+                let id = d
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|s| s.to_string())
+                    .unwrap_or_default();
+                sink.lock().expect("lock").push(Got {
+                    at: Utc::now(),
+                    id,
+                    body: d.data.clone(),
+                });
+                let _ = d.ack(BasicAckOptions::default()).await;
+            }
+        });
+        Self { got, conn }
+    }
+
+    fn counts(&self) -> HashMap<String, Vec<Got>> {
+        let mut m: HashMap<String, Vec<Got>> = HashMap::new();
+        for g in self.got.lock().expect("lock").iter() {
+            m.entry(g.id.clone()).or_default().push(g.clone());
+        }
+        m
+    }
+
+    async fn remove(self, topo: &Topology) {
+        let ch = self.conn.create_channel().await.expect("channel");
+        let _ = ch
+            .queue_delete(topo.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        for x in [&topo.exchange, &topo.internal] {
+            let _ = ch
+                .exchange_delete(x.as_str().into(), Default::default())
+                .await;
+        }
+        let _ = self.conn.close(200, "done".into()).await;
+    }
+}
+
+/// What the table holds for one row after the case.
+#[derive(Debug, sqlx::FromRow)]
+struct Left {
+    id: Uuid,
+    attempts: i32,
+    last_error: Option<String>,
+    parked: bool,
+}
+
+async fn leftovers(world: &World) -> HashMap<Uuid, Left> {
+    let sql = format!(
+        "SELECT id, attempts, last_error, coalesce(retry_at = 'infinity', false) AS parked \
+         FROM {}.expected_messages",
+        world.schema
+    );
+    sqlx::query_as::<_, Left>(AssertSqlSafe(sql))
+        .fetch_all(&world.pool)
+        .await
+        .expect("left rows")
+        .into_iter()
+        .map(|l| (l.id, l))
+        .collect()
+}
+
+/// Each payload as Postgres prints it: what a TimeOut must carry, byte for byte.
+async fn printed_payloads(world: &World) -> HashMap<Uuid, String> {
+    let sql = format!(
+        "SELECT id, payload::text FROM {}.expected_messages WHERE payload IS NOT NULL",
+        world.schema
+    );
+    sqlx::query_as::<_, (Uuid, String)>(AssertSqlSafe(sql))
+        .fetch_all(&world.pool)
+        .await
+        .expect("payloads")
+        .into_iter()
+        .collect()
+}
+
+/// The checker: every row's fate against the contract. Returns a one-line summary.
+fn check(
+    case: &Case,
+    printed: &HashMap<Uuid, String>,
+    got: &HashMap<String, Vec<Got>>,
+    left: &HashMap<Uuid, Left>,
+    acts: &HashMap<Uuid, Action>,
+) -> String {
+    let mut delivered = 0;
+    let mut kept = 0;
+    for row in &case.rows {
+        let id = row.id.to_string();
+        let received = got.get(&id).map(Vec::as_slice).unwrap_or_default();
+        let what = format!(
+            "{:?} row {id}: received {}, left {:?}",
+            row.kind,
+            received.len(),
+            left.get(&row.id)
+        );
+        let (expect_once, deadline) = match (row.kind, acts.get(&row.id)) {
+            (Kind::Cancelled, Some(Action::Deleted(1))) => (false, row.deadline),
+            (Kind::Rescheduled, Some(Action::Moved(1, new))) => (true, Some(*new)),
+            (Kind::Infinity, _) => (false, None),
+            (k, _) => (!k.undeliverable(), row.deadline),
+        };
+        if expect_once {
+            assert_eq!(received.len(), 1, "exactly once: {what}");
+            let early = deadline.is_none_or(|d| received[0].at < d);
+            assert!(
+                !early,
+                "early: {what} at {} deadline {deadline:?}",
+                received[0].at
+            );
+            // Byte for byte what Postgres prints for the jsonb, at the end of the body.
+            let payload = printed.get(&row.id).map_or("null", String::as_str);
+            let tail = format!(",\"payload\":{payload}}}");
+            assert!(
+                received[0].body.ends_with(tail.as_bytes()),
+                "payload intact: {what}"
+            );
+            delivered += 1;
+        } else {
+            assert!(received.is_empty(), "never received: {what}");
+        }
+        match row.kind {
+            Kind::ForeignKey => {
+                let l = left.get(&row.id).expect(&what);
+                assert!(
+                    l.parked
+                        && l.last_error
+                            .as_deref()
+                            .is_some_and(|e| e.contains("cannot be deleted")),
+                    "parked: {what}"
+                );
+            }
+            Kind::Infinity => assert_eq!(left.get(&row.id).map(|l| l.attempts), Some(0), "{what}"),
+            Kind::Cancelled => assert!(!left.contains_key(&row.id), "gone: {what}"),
+            k if k.undeliverable() => {
+                let l = left.get(&row.id).expect(&what);
+                assert!(
+                    l.attempts >= 1 && l.last_error.is_some() && !l.parked,
+                    "failing: {what}"
+                );
+                kept += 1;
+            }
+            _ => assert!(!left.contains_key(&row.id), "deleted: {what}"),
+        }
+    }
+    format!(
+        "rows={} delivered_once={delivered} kept_failing={kept} duplicates=0 early=0",
+        case.rows.len()
+    )
+}
+
+async fn run_case(seed: u64, rows: usize, durable: bool) {
+    let mut world = World::new().await;
+    world.overrides.extend(
+        [
+            ("TIMEOUTD__SCAN__CONCURRENCY", "3"),
+            ("TIMEOUTD__SCAN__BATCH_SIZE", "40"),
+            ("TIMEOUTD__SCAN__RETRY_MIN", "300ms"),
+            ("TIMEOUTD__SCAN__RETRY_MAX", "1s"),
+            ("TIMEOUTD__AMQP__MAX_MESSAGE_SIZE", "64KiB"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned())),
+    );
+    world.migrate().await;
+    let mut case = Case::plan(world, seed, rows, durable);
+    let consumer = Consumer::start(&case.topo).await;
+    case.insert().await;
+    let printed = printed_payloads(&case.world).await;
+    let nodes = [case.world.start().await, case.world.start().await];
+    let tasks = case.act_in_flight();
+    let mut acts = HashMap::new();
+    for t in tasks {
+        let (id, a) = t.await.expect("action");
+        acts.insert(id, a);
+    }
+    let expected: Vec<String> = case
+        .rows
+        .iter()
+        .filter(|r| match (r.kind, acts.get(&r.id)) {
+            (Kind::Cancelled, Some(Action::Deleted(1))) | (Kind::Infinity, _) => false,
+            (k, _) => !k.undeliverable(),
+        })
+        .map(|r| r.id.to_string())
+        .collect();
+    wait_for(
+        Duration::from_secs(60),
+        "every deliverable row received",
+        || {
+            let got = consumer.counts();
+            expected.iter().all(|id| got.contains_key(id))
+        },
+    )
+    .await;
+    let undeliverable = case.rows.iter().filter(|r| r.kind.undeliverable()).count() as i64;
+    wait_for_async(
+        Duration::from_secs(30),
+        "every undeliverable row charged",
+        || async {
+            case.world
+                .count("attempts >= 1 AND last_error IS NOT NULL AND retry_at <> 'infinity'")
+                .await
+                >= undeliverable
+        },
+    )
+    .await;
+    // Retries keep running: give a second copy of anything the time to show up.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let failing = Store::connect(&case.world.settings().postgres).expect("store");
+    let listed = failing
+        .list(PendingFilter::Failing, 100_000)
+        .await
+        .expect("list failing");
+    failing.close().await;
+    let left = leftovers(&case.world).await;
+    let summary = check(&case, &printed, &consumer.counts(), &left, &acts);
+    assert!(
+        listed.len() as i64 >= undeliverable,
+        "pending --failing lists them"
+    );
+    println!("adversarial seed={seed} durable={durable} {summary}");
+    for node in nodes {
+        node.stop().await;
+    }
+    consumer.remove(&case.topo).await;
+    case.world.cleanup().await;
+}
+
+fn knob(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_mixes_of_hostile_rows_keep_every_promise() {
+    let cases = knob("ADVERSARIAL_CASES", 2);
+    let rows = knob("ADVERSARIAL_ROWS", 300) as usize;
+    let first = knob("ADVERSARIAL_SEED", 0x5eed);
+    for k in 0..cases {
+        // Alternate durable (slow confirms: fsync) and transient queues.
+        run_case(first + k, rows, k % 2 == 0).await;
+    }
+}
