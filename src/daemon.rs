@@ -27,6 +27,7 @@ use crate::backoff::Backoff;
 use crate::bus::Bus;
 use crate::config::Settings;
 use crate::election::{Election, Lease, Output, Role};
+use crate::health::{Check, Health};
 use crate::http;
 use crate::metrics::Metrics;
 use crate::scheduler;
@@ -49,6 +50,7 @@ pub struct MemberStatus {
     pub last_seen_ms: u128,
     pub active: bool,
     pub probing: bool,
+    pub withdrawn: bool,
 }
 
 /// The last scan batch that locked rows.
@@ -67,6 +69,10 @@ pub struct Snapshot {
     pub group: String,
     pub role: Role,
     pub settled: bool,
+    /// False while withdrawn (own checks failing, or lagging): not electable.
+    pub candidate: bool,
+    /// This node's own checks that are failing now (see `health`).
+    pub failing_checks: Vec<&'static str>,
     pub lowest: Uuid,
     pub members: Vec<MemberStatus>,
     pub bus_connected: bool,
@@ -142,6 +148,12 @@ impl Probe {
         if let Err(e) = self.store.ping(PROBE_TIMEOUT).await {
             return Some(format!("postgres: {e}"));
         }
+        if !s.candidate {
+            return Some(format!(
+                "election: withdrawn (failing: {})",
+                s.failing_checks.join(", ")
+            ));
+        }
         if !s.settled {
             return Some("election: settling".into());
         }
@@ -186,6 +198,7 @@ pub(crate) struct Shared {
     pub(crate) bus: watch::Sender<Option<Arc<Bus>>>,
     pub(crate) probe: Arc<Probe>,
     pub(crate) store: Store,
+    pub(crate) health: Health,
     pub(crate) stop: CancellationToken,
 }
 
@@ -219,6 +232,8 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         group: settings.election.group.clone(),
         role: Role::Passive,
         settled: false,
+        candidate: true,
+        failing_checks: Vec::new(),
         lowest: node_id,
         members: Vec::new(),
         bus_connected: false,
@@ -250,6 +265,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         bus: bus_tx,
         probe: probe.clone(),
         store,
+        health: Health::default(),
         stop: stop.clone(),
     });
     tracing::info!(node_id = %node_id, group = %shared.settings.election.group, "starting");
@@ -360,6 +376,7 @@ impl NodeLoop {
                 self.shared.election().bus_lost(Instant::now());
             }
             first = false;
+            self.shared.health.pass(Check::Publish);
             self.shared.bus.send_replace(Some(bus.clone()));
             self.shared.update_status(|s| s.bus_connected = true);
             self.metrics().amqp_connected.store(1, Ordering::Relaxed);
@@ -416,7 +433,11 @@ impl NodeLoop {
                         tracing::error!("RabbitMQ connection lost");
                         return Ended::BusLost;
                     }
-                    self.shared.election().tick(Instant::now());
+                    let now = Instant::now();
+                    let failing_since = self.shared.health.failing_since();
+                    let mut election = self.shared.election();
+                    election.observe_health(now, failing_since);
+                    election.tick(now);
                 }
                 delivery = consumer.next() => match delivery {
                     Some(Ok(d)) => self.receive(&d),
@@ -458,14 +479,17 @@ impl NodeLoop {
                 return;
             }
         };
-        self.metrics().received(match (a.leaving, a.probe) {
-            (true, _) => "leaving",
-            (_, true) => "probe",
-            _ => "announce",
-        });
+        self.metrics()
+            .received(match (a.withdrawn, a.leaving, a.probe) {
+                (true, _, _) => "withdrawn",
+                (_, true, _) => "leaving",
+                (_, _, true) => "probe",
+                _ => "announce",
+            });
         let mut election = self.shared.election();
         election.step(now, a.heard());
-        if a.node_id == self.shared.node_id && !a.leaving {
+        // A withdrawn node keeps measuring: it rejoins once its lag has recovered.
+        if a.node_id == self.shared.node_id && (!a.leaving || a.withdrawn) {
             // Our own message: sent and received by this clock, so skew cannot fake lag.
             let lag = (Utc::now() - a.sent_at).to_std().unwrap_or_default();
             election.observe_own_lag(now, lag);
@@ -482,9 +506,11 @@ impl NodeLoop {
         };
         self.metrics()
             .members
-            .store(snapshot.3.len() as u64, Ordering::Relaxed);
+            .store(snapshot.4.len() as u64, Ordering::Relaxed);
+        let failing = self.shared.health.failing();
         self.shared.update_status(|s| {
-            (s.role, s.settled, s.lowest, s.members) = snapshot;
+            (s.role, s.settled, s.candidate, s.lowest, s.members) = snapshot;
+            s.failing_checks = failing;
         });
         for output in outputs {
             if !self.apply(output, bus).await {
@@ -514,6 +540,9 @@ impl NodeLoop {
                     tracing::error!(error = %e, "cannot announce");
                     return false;
                 }
+                self.metrics()
+                    .announcements_sent
+                    .fetch_add(1, Ordering::Relaxed);
             }
             Output::RoleChanged {
                 role,
@@ -545,11 +574,15 @@ impl NodeLoop {
                 self.exit = Some(Exit::Lagging);
             }
             Output::Candidacy { candidate, reason } => {
+                let failing = self.shared.health.failing();
                 if candidate {
                     tracing::info!(%reason, "rejoining: probing the group");
                 } else {
-                    tracing::warn!(%reason, "withdrawn: not a candidate");
+                    tracing::warn!(%reason, ?failing, "withdrawn: not a candidate until fit again");
                 }
+                self.metrics()
+                    .candidate
+                    .store(u64::from(candidate), Ordering::Relaxed);
             }
         }
         true
@@ -562,7 +595,7 @@ impl NodeLoop {
     }
 }
 
-type MembersView = (Role, bool, Uuid, Vec<MemberStatus>);
+type MembersView = (Role, bool, bool, Uuid, Vec<MemberStatus>);
 
 fn members_view(e: &Election) -> MembersView {
     let members = e
@@ -573,7 +606,14 @@ fn members_view(e: &Election) -> MembersView {
             last_seen_ms: m.age.as_millis(),
             active: m.active,
             probing: m.probing,
+            withdrawn: m.withdrawn,
         })
         .collect();
-    (e.role(), e.is_settled(), e.lowest(), members)
+    (
+        e.role(),
+        e.is_settled(),
+        e.is_candidate(),
+        e.lowest(),
+        members,
+    )
 }

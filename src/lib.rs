@@ -10,6 +10,7 @@ pub mod commands;
 pub mod config;
 pub mod daemon;
 pub mod election;
+pub mod health;
 pub mod http;
 pub mod metrics;
 pub mod scan;

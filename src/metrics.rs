@@ -88,12 +88,14 @@ impl Labelled {
 pub struct Metrics {
     labels: String,
     pub active: AtomicU64,
+    pub candidate: AtomicU64,
     pub members: AtomicU64,
     pub role_changes: AtomicU64,
     pub announcements_sent: AtomicU64,
     received: Labelled,
     rejected: Labelled,
     pub fired: AtomicU64,
+    pub parked: AtomicU64,
     publish_failures: Labelled,
     scan_duration: Histogram,
     lateness: Histogram,
@@ -107,12 +109,14 @@ impl Metrics {
         Self {
             labels: format!("group=\"{group}\",node_id=\"{node}\""),
             active: AtomicU64::new(0),
+            candidate: AtomicU64::new(1),
             members: AtomicU64::new(0),
             role_changes: AtomicU64::new(0),
             announcements_sent: AtomicU64::new(0),
             received: Labelled::default(),
             rejected: Labelled::default(),
             fired: AtomicU64::new(0),
+            parked: AtomicU64::new(0),
             publish_failures: Labelled::default(),
             scan_duration: Histogram::new(SCAN_BUCKETS),
             lateness: Histogram::new(LATENESS_BUCKETS),
@@ -161,6 +165,11 @@ impl Metrics {
                 self.active.load(Ordering::Relaxed),
             ),
             (
+                "timeoutd_candidate",
+                "0 while this node is withdrawn (own checks failing or lagging)",
+                self.candidate.load(Ordering::Relaxed),
+            ),
+            (
                 "timeoutd_members",
                 "live members in this node's view",
                 self.members.load(Ordering::Relaxed),
@@ -195,6 +204,11 @@ impl Metrics {
                 "timeoutd_timeouts_fired_total",
                 "TimeOuts confirmed and their rows deleted",
                 &self.fired,
+            ),
+            (
+                "timeoutd_rows_parked_total",
+                "rows whose TimeOut was confirmed but that could not be deleted (parked)",
+                &self.parked,
             ),
         ];
         for (name, help, v) in counters {

@@ -14,6 +14,7 @@ use crate::backoff::Backoff;
 use crate::bus::Bus;
 use crate::daemon::{ScanStatus, Shared, sleep_or_stop};
 use crate::election::Role;
+use crate::health::Check;
 use crate::scan::{BatchOutcome, ScanError, Scanner};
 
 /// How often the per-batch activity is summarised at info level.
@@ -27,11 +28,16 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
     let listener = tokio::spawn(listen(shared.clone(), wake.clone()));
     let mut role = shared.role.subscribe();
     let mut bus = shared.bus.subscribe();
-    let mut backoff = Backoff::new(settings.backoff.min, settings.backoff.max);
+    let mut backoff = health_backoff(settings);
     let mut summary = Summary::new();
+    let mut checked = Instant::now();
     loop {
         shared.probe.beat(&shared.probe.scan_beat);
         if *role.borrow_and_update() != Role::Active {
+            if checked.elapsed() >= settings.election.announce_interval {
+                check_while_passive(&shared, &scanner).await;
+                checked = Instant::now();
+            }
             // Wake at least every tick so the liveness heartbeat keeps moving.
             tokio::select! {
                 _ = shared.stop.cancelled() => break,
@@ -43,18 +49,22 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
         let current = bus.borrow_and_update().clone();
         let pause = match current {
             None => settings.election.tick,
-            Some(bus) => match drain(&shared, &scanner, &bus, &mut summary).await {
-                Ok(locked) => {
-                    backoff.reset();
-                    next_wake(&shared, locked > 0).await
+            Some(bus) => {
+                let drained = drain(&shared, &scanner, &bus, &mut summary).await;
+                shared.health.record(Check::Postgres, &drained);
+                match drained {
+                    Ok(locked) => {
+                        backoff.reset();
+                        next_wake(&shared, locked > 0).await
+                    }
+                    Err(e) => {
+                        let delay = backoff.next_delay();
+                        tracing::error!(error = %e, retry_in = ?delay, "scan failed");
+                        shared.update_status(|s| s.database_ok = Some(false));
+                        delay
+                    }
                 }
-                Err(e) => {
-                    let delay = backoff.next_delay();
-                    tracing::error!(error = %e, retry_in = ?delay, "scan failed");
-                    shared.update_status(|s| s.database_ok = Some(false));
-                    delay
-                }
-            },
+            }
         };
         tokio::select! {
             _ = shared.stop.cancelled() => break,
@@ -65,6 +75,31 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
     }
     summary.flush();
     listener.abort();
+}
+
+/// A passive node must know whether it could fire if elected: a withdrawn one rejoins
+/// only when Postgres answers again (so that nobody flaps while the database is down for
+/// everyone). Rows fired by a batch that then failed to commit are deleted now too.
+async fn check_while_passive(shared: &Shared, scanner: &Scanner) {
+    let limit = shared.settings.postgres.connect_timeout;
+    let pinged = shared.store.ping(limit).await;
+    shared.health.record(Check::Postgres, &pinged);
+    shared.update_status(|s| s.database_ok = Some(pinged.is_ok()));
+    if pinged.is_ok()
+        && let Err(e) = scanner.settle_leftovers(&shared.store).await
+    {
+        tracing::warn!(error = %e, "cannot delete the fired rows of an uncommitted batch yet");
+    }
+}
+
+/// Retries of what the node's health depends on (scans, LISTEN) are capped at the
+/// announce interval: a database back within `member_ttl` is noticed before the node
+/// would withdraw, and a withdrawn node rejoins soon after it is back.
+fn health_backoff(s: &crate::config::Settings) -> Backoff {
+    Backoff::new(
+        s.backoff.min,
+        s.backoff.max.min(s.election.announce_interval),
+    )
 }
 
 /// How long to sleep: until the earliest deadline, at most one tick. A deadline already
@@ -84,9 +119,11 @@ async fn next_wake(shared: &Shared, scanned_some: bool) -> Duration {
 /// Forward the trigger's notifications to the scan loop; reconnect with backoff.
 async fn listen(shared: Arc<Shared>, wake: Arc<Notify>) {
     let s = &shared.settings;
-    let mut backoff = Backoff::new(s.backoff.min, s.backoff.max);
+    let mut backoff = health_backoff(s);
     loop {
-        let mut listener = match shared.store.listener().await {
+        let listening = shared.store.listener().await;
+        shared.health.record(Check::Listen, &listening);
+        let mut listener = match listening {
             Ok(l) => l,
             Err(e) => {
                 let delay = backoff.next_delay();
@@ -109,6 +146,7 @@ async fn listen(shared: Arc<Shared>, wake: Arc<Notify>) {
                 Ok(None) => wake.notify_one(),
                 Err(e) => {
                     tracing::warn!(error = %e, "LISTEN connection failed");
+                    shared.health.fail(Check::Listen, Instant::now());
                     break;
                 }
             }
@@ -159,13 +197,20 @@ fn record(shared: &Shared, outcome: &BatchOutcome, summary: &mut Summary) {
         tracing::warn!(locked = outcome.locked, "lease lost: batch rolled back");
         return;
     }
-    if let Some(e) = &outcome.bus_trouble {
-        tracing::warn!(error = %e, untouched = outcome.untouched, "publishing failed under the batch");
-    }
     if outcome.locked == 0 {
         return;
     }
+    match &outcome.bus_trouble {
+        Some(e) => {
+            tracing::warn!(error = %e, untouched = outcome.untouched, "publishing failed under the batch");
+            shared.health.fail(Check::Publish, Instant::now());
+        }
+        None => shared.health.pass(Check::Publish),
+    }
     let metrics = &shared.probe.metrics;
+    metrics
+        .parked
+        .fetch_add(outcome.parked as u64, std::sync::atomic::Ordering::Relaxed);
     metrics.scanned(outcome.duration, &outcome.lateness);
     outcome
         .failure_reasons

@@ -19,8 +19,10 @@ const DASHBOARD: &str = "deploy/grafana/timeoutd.json";
 
 /// Every metric timeoutd exports (histograms by their base name). Every metric has
 /// the labels `group` and `node_id`.
-const METRICS: [&str; 16] = [
+const METRICS: [&str; 18] = [
     "timeoutd_active",
+    "timeoutd_candidate",
+    "timeoutd_rows_parked_total",
     "timeoutd_members",
     "timeoutd_role_changes_total",
     "timeoutd_timeouts_fired_total",

@@ -124,6 +124,22 @@ pub struct Received {
     pub body: serde_json::Value,
 }
 
+impl Received {
+    /// The `x-timeoutd-node` header: which node fired it.
+    pub fn sender(&self) -> Option<String> {
+        let headers = self.properties.headers().as_ref()?;
+        match headers.inner().get("x-timeoutd-node")? {
+            lapin::types::AMQPValue::LongString(s) => Some(s.to_string()),
+            _ => None,
+        }
+    }
+
+    pub fn message_id(&self) -> String {
+        let id = self.properties.message_id().as_ref();
+        id.map(|s| s.to_string()).unwrap_or_default()
+    }
+}
+
 /// An exclusive queue that collects what arrives, keyed by `message_id`.
 pub struct Inbox {
     pub queue: String,
@@ -183,13 +199,7 @@ impl Inbox {
     pub fn counts(&self) -> HashMap<String, usize> {
         let mut m = HashMap::new();
         for r in self.all() {
-            let id = r
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|s| s.to_string())
-                .unwrap_or_default();
-            *m.entry(id).or_default() += 1;
+            *m.entry(r.message_id()).or_default() += 1;
         }
         m
     }
@@ -325,9 +335,15 @@ pub struct Proc {
 
 impl Proc {
     pub async fn spawn(world: &World) -> Self {
+        Self::spawn_with(world, &[]).await
+    }
+
+    /// A daemon of `world` with extra environment of its own (e.g. its own proxy).
+    pub async fn spawn_with(world: &World, extra: &[(String, String)]) -> Self {
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"));
         cmd.arg("run")
             .envs(world.env())
+            .envs(extra.iter().cloned())
             .env("TIMEOUTD__LOG__FORMAT", "json")
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())

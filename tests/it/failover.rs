@@ -60,16 +60,7 @@ async fn killed_active_node_is_replaced_and_later_rows_fire() {
     .await;
     let counts = inbox.counts();
     assert!(ids.iter().all(|id| counts.get(&id.to_string()) == Some(&1)));
-    let senders: Vec<String> = inbox
-        .all()
-        .iter()
-        .filter_map(|r| r.properties.headers().clone())
-        .filter_map(|h| h.inner().get("x-timeoutd-node").cloned())
-        .map(|v| match v {
-            lapin::types::AMQPValue::LongString(s) => s.to_string(),
-            other => format!("{other:?}"),
-        })
-        .collect();
+    let senders: Vec<String> = inbox.all().iter().filter_map(|r| r.sender()).collect();
     assert_eq!(senders.len(), 20);
     assert!(
         senders.iter().all(|s| *s == new_active.to_string()),
