@@ -1,7 +1,7 @@
 //! `timeoutd members`: watch the group from the outside.
 //!
 //! The watcher is not a member: it sends a probe that also says `leaving`, so members
-//! answer at once (probe) and nobody adds it to their view (leaving).
+//! answer at their next tick (probe) and nobody adds it to their view (leaving).
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -23,6 +23,8 @@ struct Seen {
     node_id: Uuid,
     active: bool,
     probing: bool,
+    /// Alive but not a candidate (its own checks fail, or it lags).
+    withdrawn: bool,
     lowest: bool,
     last_seen_ms: u128,
     /// Receive time minus the sender's `sent_at`: transit time plus clock skew.
@@ -82,7 +84,8 @@ fn record(
     if a.node_id == me {
         return;
     }
-    if a.leaving {
+    // A withdrawn node says `leaving` too (for older nodes) but is still there.
+    if a.leaving && !a.withdrawn {
         seen.remove(&a.node_id);
         return;
     }
@@ -97,7 +100,7 @@ fn view(seen: &BTreeMap<Uuid, (Instant, Announcement, i64)>, ttl: Duration) -> V
         .collect();
     let lowest = live
         .iter()
-        .filter(|(_, a, _)| !a.probe)
+        .filter(|(_, a, _)| !a.probe && !a.withdrawn)
         .map(|(_, a, _)| a.node_id)
         .min();
     live.iter()
@@ -105,6 +108,7 @@ fn view(seen: &BTreeMap<Uuid, (Instant, Announcement, i64)>, ttl: Duration) -> V
             node_id: a.node_id,
             active: a.active,
             probing: a.probe,
+            withdrawn: a.withdrawn,
             lowest: Some(a.node_id) == lowest,
             last_seen_ms: at.elapsed().as_millis(),
             lag_ms: *lag,
@@ -118,21 +122,22 @@ fn print(members: &[Seen], json: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<38} {:<8} {:>10} {:>8}",
+        "{:<38} {:<9} {:>10} {:>8}",
         "NODE", "ROLE", "LAST SEEN", "LAG"
     );
     for m in members {
-        let role = match (m.active, m.probing) {
-            (_, true) => "joining",
-            (true, _) => "active",
+        let role = match (m.active, m.probing, m.withdrawn) {
+            (_, _, true) => "withdrawn",
+            (_, true, _) => "joining",
+            (true, _, _) => "active",
             _ => "passive",
         };
         let mark = if m.lowest { "*" } else { " " };
         println!(
-            "{}{:<37} {:<8} {:>8}ms {:>6}ms",
+            "{}{:<37} {:<9} {:>8}ms {:>6}ms",
             mark, m.node_id, role, m.last_seen_ms, m.lag_ms
         );
     }
-    println!("({} members; * = lowest id)\n", members.len());
+    println!("({} members; * = lowest candidate)\n", members.len());
     Ok(())
 }
