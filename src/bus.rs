@@ -141,6 +141,13 @@ impl Bus {
         }
     }
 
+    /// Whether a confirm channel can be had now (the publish check of a passive node).
+    pub async fn check_publish(&self) -> Result<(), BusError> {
+        let channel = self.confirm_channel().await?;
+        self.give_back(channel);
+        Ok(())
+    }
+
     /// Return a channel whose every confirm has come in (nothing of its last batch can
     /// still arrive on it). Surplus channels are closed.
     fn give_back(&self, channel: Channel) {

@@ -79,8 +79,16 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
 
 /// A passive node must know whether it could fire if elected: a withdrawn one rejoins
 /// only when Postgres answers again (so that nobody flaps while the database is down for
-/// everyone). Rows fired by a batch that then failed to commit are deleted now too.
+/// everyone) and, if publishing was what failed, when it can get a channel again. Rows fired by a batch that then failed to commit are deleted now too.
 async fn check_while_passive(shared: &Shared, scanner: &Scanner) {
+    let bus = shared.bus.borrow().clone();
+    if let Some(bus) = bus
+        && shared.health.failing().contains(&Check::Publish.name())
+    {
+        shared
+            .health
+            .record(Check::Publish, &bus.check_publish().await);
+    }
     let limit = shared.settings.postgres.connect_timeout;
     let pinged = shared.store.ping(limit).await;
     shared.health.record(Check::Postgres, &pinged);

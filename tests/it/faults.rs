@@ -105,6 +105,42 @@ impl Scenario {
         summary
     }
 
+    /// SIGTERM `node` and check what it left: exit 0 in time, and of `total` rows every
+    /// one either received once and gone, or still there and never received. Returns
+    /// (fired, remaining).
+    async fn terminate(&self, node: &mut Proc, total: usize) -> (usize, usize) {
+        node.signal("TERM");
+        let status = tokio::time::timeout(Duration::from_secs(20), node.child.wait())
+            .await
+            .expect("exits within the shutdown bound")
+            .expect("wait");
+        assert!(status.success(), "{status:?}");
+        // Let in-flight deliveries land before counting: wait until the count stops moving.
+        let mut seen = usize::MAX;
+        wait_for_async(Duration::from_secs(20), "deliveries settle", || {
+            let before = seen;
+            seen = self.inbox.len();
+            async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                before == seen
+            }
+        })
+        .await;
+        let remaining = remaining_ids(&self.world).await;
+        let counts = self.inbox.counts();
+        assert!(counts.values().all(|n| *n == 1), "no duplicates");
+        assert!(
+            remaining.iter().all(|id| !counts.contains_key(id)),
+            "none both"
+        );
+        assert_eq!(
+            counts.len() + remaining.len(),
+            total,
+            "fired + remaining = all"
+        );
+        (counts.len(), remaining.len())
+    }
+
     fn count(&self, since: Instant) -> Summary {
         let got = self.inbox.all();
         let mut per_id: HashMap<String, usize> = HashMap::new();
@@ -394,41 +430,15 @@ async fn sigterm_during_a_large_scan_loses_and_duplicates_nothing() {
     let observer_since = Instant::now();
     let mut node = Proc::spawn(&s.world).await;
     s.wait_firing(1000).await;
-    node.signal("TERM");
-    let status = tokio::time::timeout(Duration::from_secs(15), node.child.wait())
-        .await
-        .expect("exits within the shutdown bound")
-        .expect("wait");
-    assert!(status.success(), "{status:?}");
+    let (fired, remaining) = s.terminate(&mut node, 20_000).await;
     assert!(
         s.observer
             .first_after(observer_since, |a| a.leaving && a.node_id == node.node_id)
             .is_some(),
         "announced leaving"
     );
-    // Let in-flight deliveries land before counting: wait until the count stops moving.
-    let mut seen = usize::MAX;
-    wait_for_async(Duration::from_secs(20), "deliveries settle", || {
-        let before = seen;
-        seen = s.inbox.len();
-        async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            before == seen
-        }
-    })
-    .await;
-    let remaining = s.world.count("true").await as usize;
-    let counts = s.inbox.counts();
-    assert!(counts.values().all(|n| *n == 1), "no duplicates");
-    assert_eq!(counts.len() + remaining, 20_000, "fired + remaining = all");
-    let still_there = remaining_ids(&s.world).await;
-    assert!(
-        still_there.iter().all(|id| !counts.contains_key(id)),
-        "none both"
-    );
     println!(
-        "fault=sigterm-burst rows=20000 fired={} remaining={remaining} duplicates=0 exit=0",
-        counts.len()
+        "fault=sigterm-burst rows=20000 fired={fired} remaining={remaining} duplicates=0 exit=0"
     );
     s.world.cleanup().await;
 }
@@ -717,43 +727,12 @@ async fn sigterm_with_a_slow_batch_in_flight_commits_it() {
     proxy.set(Mode::Delay(Duration::from_millis(700)));
     let mut node = Proc::spawn(&s.world).await;
     s.wait_firing(600).await;
-    node.signal("TERM");
-    let status = tokio::time::timeout(Duration::from_secs(20), node.child.wait())
-        .await
-        .expect("exits within the shutdown bound")
-        .expect("wait");
-    assert!(status.success(), "{status:?}");
+    let (fired, remaining) = s.terminate(&mut node, 3000).await;
     assert!(
         !node.logged("not committed"),
         "the batch in flight committed"
     );
-    let mut seen = usize::MAX;
-    wait_for_async(Duration::from_secs(20), "deliveries settle", || {
-        let before = seen;
-        seen = s.inbox.len();
-        async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            before == seen
-        }
-    })
-    .await;
-    let remaining = remaining_ids(&s.world).await;
-    let counts = s.inbox.counts();
-    assert!(counts.values().all(|n| *n == 1), "no duplicates");
-    assert!(
-        remaining.iter().all(|id| !counts.contains_key(id)),
-        "none both"
-    );
-    assert_eq!(
-        counts.len() + remaining.len(),
-        3000,
-        "fired + remaining = all"
-    );
-    println!(
-        "fault=sigterm-slow-batch: fired={} remaining={} exit=0",
-        counts.len(),
-        remaining.len()
-    );
+    println!("fault=sigterm-slow-batch: fired={fired} remaining={remaining} exit=0");
     proxy.set(Mode::Pass);
     let _rest = Proc::spawn(&s.world).await;
     s.finish(Instant::now()).await;
