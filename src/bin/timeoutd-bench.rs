@@ -1159,7 +1159,7 @@ async fn idle_scans(env: &Env, plan: &Plan) -> Result<Vec<IdleScan>> {
             explain_ms,
             index_used: plan_lines
                 .iter()
-                .any(|l| l.contains("Index Scan using expected_messages_due_idx")),
+                .any(|l| l.contains("Index Scan using expected_messages_due_at_idx")),
             plan: plan_lines,
         };
         let access = scan.plan.iter().find(|l| l.contains(" Scan "));
