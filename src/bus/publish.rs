@@ -134,6 +134,8 @@ enum Alone {
     Failed(PublishError),
     Lost(String, BusError),
     NoChannel(BusError),
+    /// The budget ran out before it could be sent.
+    NotSent,
 }
 
 /// Decided fates, messages handed on to the batch channel, bus trouble.
@@ -249,19 +251,29 @@ impl Bus {
                     d.trouble = Some(e);
                     break;
                 }
+                Alone::NotSent => {
+                    d.fates.push((i, Fate::Unsent));
+                    d.fates.extend(rest.map(|j| (j, Fate::Unsent)));
+                    break;
+                }
             }
         }
         d
     }
 
     async fn publish_alone(&self, m: &Outgoing, budget: &Budget) -> Alone {
-        let channel = match self.confirm_channel().await {
+        let channel = match self.channel_within(budget).await {
             Ok(c) => c,
             Err(e) => return Alone::NoChannel(e),
         };
-        let answer = match send(&channel, m).await {
+        // Opening the channel may have taken the time there was.
+        if !budget.may_send() {
+            self.give_back(channel);
+            return Alone::NotSent;
+        }
+        let answer = match self.send(&channel, m, budget).await {
             Ok(confirm) => self.await_confirm(confirm, budget).await,
-            Err(e) => Err(Waited::Closed(e)),
+            Err(e) => Err(e),
         };
         match answer {
             Ok(a) => {
@@ -296,7 +308,7 @@ impl Bus {
         if idx.is_empty() {
             return d;
         }
-        let channel = match self.confirm_channel().await {
+        let channel = match self.channel_within(budget).await {
             Ok(c) => c,
             Err(e) => {
                 d.fates.extend(idx.iter().map(|i| (*i, Fate::Unsent)));
@@ -305,22 +317,26 @@ impl Bus {
             }
         };
         let mut sent = Vec::with_capacity(idx.len());
+        let mut blocked = None;
         for &i in idx {
-            if !budget.may_send() || !channel.status().connected() {
+            if !budget.may_send() || !channel.status().connected() || blocked.is_some() {
                 d.fates.push((i, Fate::Unsent));
                 continue;
             }
-            match send(&channel, &batch[i]).await {
+            match self.send(&channel, &batch[i], budget).await {
                 Ok(confirm) => sent.push((i, confirm)),
+                // The broker stopped reading (flow control): part of it may be out.
+                Err(Waited::TimedOut(after)) => blocked = Some((i, after)),
                 // Refused locally (the channel is already closed): never left the process.
-                Err(_) => d.fates.push((i, Fate::Unsent)),
+                Err(Waited::Closed(_)) => d.fates.push((i, Fate::Unsent)),
             }
         }
-        let waited = join_all(
+        let mut waited = join_all(
             sent.into_iter()
                 .map(|(i, c)| async move { (i, self.await_confirm(c, budget).await) }),
         )
         .await;
+        waited.extend(blocked.map(|(i, after)| (i, Err(Waited::TimedOut(after)))));
         let clean = self.judge_shared(batch, waited, &mut d);
         if clean {
             self.give_back(channel);
@@ -369,6 +385,48 @@ impl Bus {
             d.fates.push((i, fate));
         }
         clean
+    }
+
+    /// A confirm channel, opened (if it must be) within the batch's budget.
+    async fn channel_within(&self, budget: &Budget) -> Result<Channel, BusError> {
+        let after = budget
+            .confirm_until
+            .saturating_duration_since(Instant::now());
+        match timeout_at(budget.confirm_until.into(), self.confirm_channel()).await {
+            Ok(channel) => channel,
+            Err(_) => Err(BusError::Timeout {
+                what: "open channel",
+                after,
+            }),
+        }
+    }
+
+    /// Hand one message to the broker, within the batch's budget (a broker that applies
+    /// flow control stops reading, and the write would wait).
+    async fn send(
+        &self,
+        channel: &Channel,
+        m: &Outgoing,
+        budget: &Budget,
+    ) -> Result<PublisherConfirm, Waited> {
+        // Names were checked by `precheck`.
+        let exchange = ShortString::try_new(m.exchange.as_str()).unwrap_or_default();
+        let routing_key = ShortString::try_new(m.routing_key.as_str()).unwrap_or_default();
+        let publish = channel.basic_publish(
+            exchange,
+            routing_key,
+            BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            },
+            &m.body,
+            m.properties.clone(),
+        );
+        match timeout_at(budget.confirm_until.into(), publish).await {
+            Ok(Ok(confirm)) => Ok(confirm),
+            Ok(Err(e)) => Err(Waited::Closed(e)),
+            Err(_) => Err(Waited::TimedOut(self.settings.confirm_timeout)),
+        }
     }
 
     async fn await_confirm(
@@ -429,24 +487,6 @@ fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
         },
         _ => None,
     }
-}
-
-async fn send(channel: &Channel, m: &Outgoing) -> Result<PublisherConfirm, lapin::Error> {
-    // Names were checked by `precheck`.
-    let exchange = ShortString::try_new(m.exchange.as_str()).unwrap_or_default();
-    let routing_key = ShortString::try_new(m.routing_key.as_str()).unwrap_or_default();
-    channel
-        .basic_publish(
-            exchange,
-            routing_key,
-            BasicPublishOptions {
-                mandatory: true,
-                immediate: false,
-            },
-            &m.body,
-            m.properties.clone(),
-        )
-        .await
 }
 
 pub(super) fn short(s: &str, what: &str) -> Result<ShortString, PublishError> {

@@ -191,6 +191,33 @@ impl Inbox {
         self.got.lock().expect("lock").clone()
     }
 
+    /// Also receive what a new auto-delete topic exchange `exchange` routes with `key`
+    /// (declared and bound on the queue's own connection: the queue is exclusive).
+    pub async fn bind_new_exchange(&self, exchange: &str, key: &str) {
+        let ch = self._conn.create_channel().await.expect("channel");
+        let opts = ExchangeDeclareOptions {
+            auto_delete: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        ch.exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            opts,
+            FieldTable::default(),
+        )
+        .await
+        .expect("exchange");
+        let bind = ch.queue_bind(
+            self.queue.as_str().into(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        );
+        bind.await.expect("bind");
+        let _ = ch.close(200, "OK".into()).await;
+    }
+
     pub fn len(&self) -> usize {
         self.got.lock().expect("lock").len()
     }

@@ -737,3 +737,58 @@ async fn sigterm_with_a_slow_batch_in_flight_commits_it() {
     let _rest = Proc::spawn(&s.world).await;
     s.finish(Instant::now()).await;
 }
+
+/// A slow broker (every byte back 600 ms late, so opening a channel takes 1.2 s and a
+/// confirm 0.6 s) and rows spread over 40 exchanges nobody has published to yet, with
+/// `postgres.statement_timeout` 2 s: published one by one, the first batch's pilots
+/// would outlive the transaction. The batch budget (¾ of it, sends stop a confirm timeout
+/// earlier) leaves what does not fit for the next batch: every batch commits, every row
+/// arrives exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_broker_cannot_make_a_batch_outlive_its_transaction() {
+    let (proxy, mut world) = behind_proxy("127.0.0.1:5672", "TIMEOUTD__AMQP__URL", amqp_url).await;
+    world.overrides.extend(
+        [
+            ("TIMEOUTD__POSTGRES__STATEMENT_TIMEOUT", "2s"),
+            ("TIMEOUTD__AMQP__CONFIRM_TIMEOUT", "1s"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned())),
+    );
+    let mut s = Scenario::new("slow-broker-budget", world).await;
+    let exchanges = bind_exchanges(&s, 40).await;
+    let node = Proc::spawn(&s.world).await;
+    active(&s, std::slice::from_ref(&node)).await;
+    let due = Utc::now() + chrono::Duration::seconds(2);
+    let mut tx = s.world.pool.begin().await.expect("tx");
+    for (i, x) in exchanges.iter().cycle().take(200).enumerate() {
+        let e = Expectation::new(&format!("budget-{i}"), "Reply", "r")
+            .exchange(x)
+            .due_at(due);
+        client::expect(&mut tx, &s.world.schema, &e)
+            .await
+            .expect("insert");
+        s.deadlines.insert(e.id.to_string(), due);
+    }
+    tx.commit().await.expect("commit");
+    proxy.set(Mode::Delay(Duration::from_millis(600)));
+    let since = Instant::now();
+    let summary = s.finish(since).await;
+    assert_eq!(summary.duplicates, 0, "{summary:?}");
+    assert!(!node.logged("not committed"), "every batch committed");
+    assert!(
+        !node.logged("scan failed"),
+        "no batch outlived its transaction"
+    );
+    println!("fault=slow-broker-budget: 200 rows over 40 new exchanges, every batch committed");
+}
+
+/// `n` auto-delete topic exchanges, each bound to the scenario's queue with `#`.
+async fn bind_exchanges(s: &Scenario, n: usize) -> Vec<String> {
+    let mut names = Vec::new();
+    for k in 0..n {
+        let name = format!("budget-{}-{k}", s.world.group);
+        s.inbox.bind_new_exchange(&name, "#").await;
+        names.push(name);
+    }
+    names
+}
