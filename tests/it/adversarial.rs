@@ -5,7 +5,7 @@
 //! and default exchange), unroutable, missing exchange, internal exchange, payloads that a
 //! JSON library refuses (numbers beyond f64, nesting deeper than 128), payloads over
 //! `amqp.max_message_size`, ±infinity and far-past deadlines, a process id over 255 bytes,
-//! `attempts` at `i32::MAX`, a row whose old retry time is earlier than its moved
+//! an exchange our broker user may not write to, `attempts` at `i32::MAX`, a row whose old retry time is earlier than its moved
 //! deadline, a row the process manager's foreign key will not let go, and rows moved or
 //! cancelled by the process manager while their batch may be in flight — and runs them
 //! through two daemons with `scan.concurrency = 3` and small batches, into durable or
@@ -43,6 +43,34 @@ use crate::common::{World, amqp, wait_for, wait_for_async};
 
 /// A small limit so that "too large" rows are cheap to make.
 const MAX_MESSAGE: usize = 64 * 1024;
+/// The daemons connect as a user that may not write to exchanges named like this.
+const DENIED_PREFIX: &str = "adv-denied-";
+const USER: &str = "timeoutd_adversarial";
+
+/// A broker user like guest but without write permission on `DENIED_PREFIX*` exchanges
+/// (a publish there is refused with 403 ACCESS_REFUSED, closing the channel). Returns the
+/// AMQP URL that logs in as that user.
+async fn limited_user() -> String {
+    let write = format!("^(?!{DENIED_PREFIX}).*");
+    let steps: [&[&str]; 2] = [
+        &["add_user", USER, USER],
+        &["set_permissions", "-p", "/", USER, ".*", &write, ".*"],
+    ];
+    for args in steps {
+        let out = tokio::process::Command::new("rabbitmqctl")
+            .arg("-q")
+            .args(args)
+            .output()
+            .await
+            .expect("rabbitmqctl runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() || err.contains("already exists"),
+            "rabbitmqctl {args:?}: {err}"
+        );
+    }
+    format!("amqp://{USER}:{USER}@127.0.0.1:5672/%2f")
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Kind {
@@ -51,6 +79,7 @@ enum Kind {
     Unroutable,
     MissingExchange,
     InternalExchange,
+    DeniedExchange,
     HugeNumber,
     DeepNesting,
     TooLarge,
@@ -72,6 +101,7 @@ const KINDS: &[(Kind, u32)] = &[
     (Kind::Unroutable, 6),
     (Kind::MissingExchange, 4),
     (Kind::InternalExchange, 3),
+    (Kind::DeniedExchange, 3),
     (Kind::HugeNumber, 4),
     (Kind::DeepNesting, 3),
     (Kind::TooLarge, 3),
@@ -99,6 +129,18 @@ impl Kind {
         Kind::Topic
     }
 
+    /// What `last_error` of an undeliverable row must say.
+    fn reason(self) -> &'static str {
+        match self {
+            Kind::Unroutable | Kind::MaxAttemptsUnroutable => "NO_ROUTE",
+            Kind::MissingExchange => "does not exist",
+            Kind::InternalExchange | Kind::DeniedExchange => "ACCESS_REFUSED",
+            Kind::TooLarge => "exceeds amqp.max_message_size",
+            Kind::LongProcessId => "longer than 255 bytes",
+            _ => "",
+        }
+    }
+
     /// Rows that can never be delivered: they must stay, failing, never received.
     fn undeliverable(self) -> bool {
         matches!(
@@ -106,6 +148,7 @@ impl Kind {
             Kind::Unroutable
                 | Kind::MissingExchange
                 | Kind::InternalExchange
+                | Kind::DeniedExchange
                 | Kind::TooLarge
                 | Kind::MaxAttemptsUnroutable
                 | Kind::LongProcessId
@@ -143,6 +186,7 @@ enum Action {
 struct Topology {
     exchange: String,
     internal: String,
+    denied: String,
     missing: String,
     queue: String,
     durable: bool,
@@ -165,6 +209,7 @@ impl Case {
         let topo = Topology {
             exchange: format!("adv-{tag}"),
             internal: format!("adv-internal-{tag}"),
+            denied: format!("{DENIED_PREFIX}{tag}"),
             missing: format!("adv-missing-{tag}"),
             queue: format!("adv-q-{tag}"),
             durable,
@@ -322,6 +367,7 @@ fn plan_row(rng: &mut StdRng, topo: &Topology, i: usize, now: DateTime<Utc>) -> 
         Kind::Unroutable => row.routing_key = format!("nowhere.{i}"),
         Kind::MissingExchange => row.exchange = topo.missing.clone(),
         Kind::InternalExchange => row.exchange = topo.internal.clone(),
+        Kind::DeniedExchange => row.exchange = topo.denied.clone(),
         Kind::HugeNumber => row.payload = Some(format!(r#"{{"big": 1e400, "i": {i}}}"#)),
         Kind::DeepNesting => {
             let depth = rng.random_range(130..400);
@@ -398,6 +444,14 @@ impl Consumer {
         )
         .await
         .expect("internal exchange");
+        ch.exchange_declare(
+            topo.denied.as_str().into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .expect("denied exchange");
         let queue = QueueDeclareOptions {
             durable: topo.durable,
             ..QueueDeclareOptions::default()
@@ -457,7 +511,7 @@ impl Consumer {
         let _ = ch
             .queue_delete(topo.queue.as_str().into(), QueueDeleteOptions::default())
             .await;
-        for x in [&topo.exchange, &topo.internal] {
+        for x in [&topo.exchange, &topo.internal, &topo.denied] {
             let _ = ch
                 .exchange_delete(x.as_str().into(), Default::default())
                 .await;
@@ -563,9 +617,11 @@ fn check(
             Kind::Cancelled => assert!(!left.contains_key(&row.id), "gone: {what}"),
             k if k.undeliverable() => {
                 let l = left.get(&row.id).expect(&what);
+                let why = l.last_error.as_deref().unwrap_or_default();
                 assert!(
-                    l.attempts >= 1 && l.last_error.is_some() && !l.parked,
-                    "failing: {what}"
+                    l.attempts >= 1 && why.contains(k.reason()) && !l.parked,
+                    "failing with {:?}: {what}",
+                    k.reason()
                 );
                 kept += 1;
             }
@@ -590,6 +646,9 @@ async fn run_case(seed: u64, rows: usize, durable: bool) {
         ]
         .map(|(k, v)| (k.to_owned(), v.to_owned())),
     );
+    world
+        .overrides
+        .push(("TIMEOUTD__AMQP__URL".to_owned(), limited_user().await));
     world.migrate().await;
     let mut case = Case::plan(world, seed, rows, durable);
     let consumer = Consumer::start(&case.topo).await;
