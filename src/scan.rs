@@ -24,7 +24,7 @@ use uuid::Uuid;
 use crate::backoff;
 use crate::bus::{self, Budget, Bus, BusError, Fate, Outgoing, PublishError};
 use crate::election::Lease;
-use crate::store::{DueRow, Failure, Fired, Store, StoreError};
+use crate::store::{DueRow, Failure, Fired, Settlement, Store, StoreError};
 
 /// AMQP `type` of every TimeOut.
 pub const MESSAGE_TYPE: &str = "TimeOut";
@@ -169,10 +169,7 @@ impl Scanner {
                 });
             }
         };
-        for (id, why) in &settled.parked {
-            tracing::error!(%id, "{why}; parked (it will not fire again; delete it by hand)");
-        }
-        self.skip_unrecorded(&settled.unrecorded);
+        self.report(&settled);
         outcome.fired = judged.fired.len();
         outcome.failed = judged.failures.len();
         outcome.untouched = judged.untouched;
@@ -185,13 +182,17 @@ impl Scanner {
 
     /// Delete the confirmed rows of batches that failed to commit (if their deadline is
     /// unchanged): without this they would fire again. Kept for the next try on error.
-    pub async fn settle_leftovers(&self, store: &Store) -> Result<u64, StoreError> {
+    /// Returns how many rows were settled.
+    pub async fn settle_leftovers(&self, store: &Store) -> Result<usize, StoreError> {
         let leftovers = std::mem::take(&mut self.memory().leftovers);
         if leftovers.is_empty() {
             return Ok(0);
         }
         match store.delete_fired(&leftovers).await {
-            Ok(n) => Ok(n),
+            Ok(settled) => {
+                self.report(&settled);
+                Ok(leftovers.len())
+            }
             Err(e) => {
                 let mut m = self.memory();
                 m.leftovers.extend(leftovers);
@@ -199,6 +200,14 @@ impl Scanner {
                 Err(e)
             }
         }
+    }
+
+    /// Log parked rows; hold back rows whose bookkeeping could not be written.
+    fn report(&self, settled: &Settlement) {
+        for (id, why) in &settled.parked {
+            tracing::error!(%id, "{why}; parked (it will not fire again; delete it by hand)");
+        }
+        self.skip_unrecorded(&settled.unrecorded);
     }
 
     fn budget_from(&self, started: Instant, stop: &CancellationToken) -> Budget {

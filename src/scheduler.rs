@@ -175,10 +175,10 @@ async fn drain(
     let parallel = shared.settings.scan.concurrency as usize;
     let mut locked = 0;
     loop {
-        let deleted = scanner.settle_leftovers(&shared.store).await?;
-        if deleted > 0 {
+        let settled = scanner.settle_leftovers(&shared.store).await?;
+        if settled > 0 {
             tracing::info!(
-                deleted,
+                settled,
                 "deleted the fired rows of a batch that had not committed"
             );
         }

@@ -321,21 +321,12 @@ impl Store {
         confirmed: &[Uuid],
         failures: &[Failure],
     ) -> Result<Settlement, StoreError> {
-        let mut out = Settlement::default();
-        if self
-            .attempt(tx, Write::Both(confirmed, failures))
-            .await?
-            .is_ok()
-        {
-            return Ok(out);
+        let both = self.attempt(tx, Write::Both(confirmed, failures)).await?;
+        if both.is_ok() {
+            return Ok(Settlement::default());
         }
-        for (id, error) in self.in_halves(tx, confirmed, Write::Delete).await? {
-            let why = format!("TimeOut delivered, but the row cannot be deleted: {error}");
-            match self.attempt(tx, Write::Park(id, &why)).await? {
-                Ok(()) => out.parked.push((id, why)),
-                Err(e) => out.unrecorded.push((id, e)),
-            }
-        }
+        let refused = self.in_halves(tx, confirmed, Write::Delete).await?;
+        let mut out = self.park_all(tx, refused).await?;
         let refused = self.in_halves(tx, failures, Write::Charge).await?;
         out.unrecorded
             .extend(refused.into_iter().map(|(f, e)| (f.id, e)));
@@ -344,16 +335,32 @@ impl Store {
 
     /// Delete rows fired by a batch that failed to commit, if they still have the
     /// deadline they were fired for (a moved deadline is the process manager's new
-    /// intent: that row fires again). Its own short transaction; returns rows deleted.
-    pub async fn delete_fired(&self, fired: &[Fired]) -> Result<u64, StoreError> {
-        let ids: Vec<Uuid> = fired.iter().map(|f| f.id).collect();
-        let at: Vec<DateTime<Utc>> = fired.iter().map(|f| f.timeout_at).collect();
-        let done = sqlx::query(safe(&self.sql.delete_fired))
-            .bind(ids)
-            .bind(at)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
+    /// intent: that row fires again). Its own transaction; a row the database will not
+    /// let go is parked, as in [`Store::settle`].
+    pub async fn delete_fired(&self, fired: &[Fired]) -> Result<Settlement, StoreError> {
+        let mut tx = self.begin().await?;
+        let refused = self.in_halves(&mut tx, fired, Write::DeleteFired).await?;
+        let refused = refused.into_iter().map(|(f, e)| (f.id, e)).collect();
+        let out = self.park_all(&mut tx, refused).await?;
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    /// Park rows whose TimeOut was delivered but that the database refused to delete.
+    async fn park_all(
+        &self,
+        tx: &mut PgConnection,
+        refused: Vec<(Uuid, String)>,
+    ) -> Result<Settlement, StoreError> {
+        let mut out = Settlement::default();
+        for (id, error) in refused {
+            let why = format!("TimeOut delivered, but the row cannot be deleted: {error}");
+            match self.attempt(tx, Write::Park(id, &why)).await? {
+                Ok(()) => out.parked.push((id, why)),
+                Err(e) => out.unrecorded.push((id, e)),
+            }
+        }
+        Ok(out)
     }
 
     /// Run `write` on all `items`; where the database refuses, on each half, down to
@@ -406,6 +413,16 @@ impl Store {
                 self.charge(tx, failures).await
             }
             Write::Delete(ids) => self.delete(tx, ids).await,
+            Write::DeleteFired(fired) => {
+                let ids: Vec<Uuid> = fired.iter().map(|f| f.id).collect();
+                let at: Vec<DateTime<Utc>> = fired.iter().map(|f| f.timeout_at).collect();
+                sqlx::query(safe(&self.sql.delete_fired))
+                    .bind(ids)
+                    .bind(at)
+                    .execute(tx)
+                    .await?;
+                Ok(())
+            }
             Write::Charge(failures) => self.charge(tx, failures).await,
             Write::Park(id, why) => {
                 sqlx::query(safe(&self.sql.park))
@@ -494,6 +511,7 @@ impl Store {
 enum Write<'a> {
     Both(&'a [Uuid], &'a [Failure]),
     Delete(&'a [Uuid]),
+    DeleteFired(&'a [Fired]),
     Charge(&'a [Failure]),
     Park(Uuid, &'a str),
 }
