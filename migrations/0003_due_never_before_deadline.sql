@@ -6,10 +6,11 @@
 -- deadline. retry_at = 'infinity' parks a row: its TimeOut was confirmed but the row
 -- could not be deleted (see README, "Failure modes").
 --
--- Rebuilding the index locks the table for writes while it runs (about a second per
--- million rows); migrate before a deploy when the table is large.
+-- Building the index locks the table for writes while it runs (about a second per
+-- million rows); migrate before a deploy when the table is large. The previous index
+-- (on coalesce(retry_at, timeout_at)) stays for now: during a rolling upgrade the nodes
+-- of the previous version still scan with it. A later release drops it.
 
-DROP INDEX IF EXISTS expected_messages_due_idx;
 CREATE INDEX IF NOT EXISTS expected_messages_due_at_idx
     ON expected_messages ((greatest(timeout_at, retry_at)));
 

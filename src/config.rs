@@ -315,10 +315,11 @@ impl Settings {
                 "must be at least twice amqp.confirm_timeout",
             ));
         }
-        if self.shutdown.timeout <= self.amqp.confirm_timeout {
+        if self.shutdown.timeout <= self.batch_budget() {
             return Err(ConfigError::invalid(
                 "shutdown.timeout",
-                "must be greater than amqp.confirm_timeout",
+                "must be greater than 3/4 of postgres.statement_timeout (the longest a \
+                 batch in flight may take to finish)",
             ));
         }
         let size = self.amqp.max_message_size.as_u64();

@@ -5,7 +5,7 @@
 //! an await): the node loop feeds it ticks and announcements and carries out its
 //! outputs; the scan loop asks it for the lease right before publishing and committing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
@@ -288,10 +288,14 @@ async fn run(shared: Arc<Shared>) -> Exit {
     let (exit, bus) = NodeLoop::new(shared.clone()).run().await;
     shared.stop.cancel();
     let limit = shared.settings.shutdown.timeout;
+    let abort = scanner.abort_handle();
     if tokio::time::timeout(limit, scanner).await.is_err() {
+        // Cannot happen with a valid configuration (a batch is bounded by
+        // `batch_budget` < `shutdown.timeout`), but a stop must stay bounded.
+        abort.abort();
         tracing::error!(
             ?limit,
-            "scan did not stop in time; its transaction is rolled back"
+            "scan did not stop in time: aborted, its transaction is rolled back"
         );
     }
     if let Some(bus) = bus {
@@ -335,8 +339,15 @@ struct NodeLoop {
     shared: Arc<Shared>,
     /// One limiter per rejection kind, so a flood of one kind cannot hide another.
     rejected: HashMap<&'static str, LogLimiter>,
+    /// `sent_at` of our latest announcements: only those measure our own lag, so a
+    /// forged "own" announcement with an old timestamp cannot make us withdraw or exit.
+    sent: VecDeque<DateTime<Utc>>,
     exit: Option<Exit>,
 }
+
+/// Own announcements remembered for lag measurement (several intervals' worth, so a
+/// late one is still recognised).
+const SENT_REMEMBERED: usize = 64;
 
 /// Why serving one connection ended.
 enum Ended {
@@ -353,6 +364,7 @@ impl NodeLoop {
         Self {
             shared,
             rejected: HashMap::new(),
+            sent: VecDeque::with_capacity(SENT_REMEMBERED),
             exit: None,
         }
     }
@@ -489,7 +501,8 @@ impl NodeLoop {
         let mut election = self.shared.election();
         election.step(now, a.heard());
         // A withdrawn node keeps measuring: it rejoins once its lag has recovered.
-        if a.node_id == self.shared.node_id && (!a.leaving || a.withdrawn) {
+        let ours = a.node_id == self.shared.node_id && self.sent.contains(&a.sent_at);
+        if ours && (!a.leaving || a.withdrawn) {
             // Our own message: sent and received by this clock, so skew cannot fake lag.
             let lag = (Utc::now() - a.sent_at).to_std().unwrap_or_default();
             election.observe_own_lag(now, lag);
@@ -533,6 +546,10 @@ impl NodeLoop {
                     probe: a.probe,
                     withdrawn: a.withdrawn,
                 };
+                if self.sent.len() == SENT_REMEMBERED {
+                    self.sent.pop_front();
+                }
+                self.sent.push_back(msg.sent_at);
                 if let Err(e) = bus
                     .announce(&msg, self.shared.settings.election.member_ttl)
                     .await

@@ -10,7 +10,7 @@
 //! If the commit fails all the same, the confirmed rows are remembered and deleted by a
 //! later statement (`Scanner::settle_leftovers`), so they do not fire again in a loop.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,14 @@ pub const NODE_HEADER: &str = "x-timeoutd-node";
 /// Rows remembered per kind of memory (suspects, rows to skip, rows to delete later):
 /// beyond this the oldest are forgotten, which costs at most a second TimeOut.
 const MEMORY: usize = 100_000;
+/// Payloads up to this size come with the locked rows; larger ones are fetched one by
+/// one (see `Scanner::fetch_large_payloads`).
+const INLINE_PAYLOAD: usize = 64 * 1024;
+/// Bytes of large payloads one batch holds at most (at least one payload, however large).
+const LARGE_PAYLOADS: usize = 64 * 1024 * 1024;
+/// A confirmed row that can be neither deleted nor parked is not published again by this
+/// process for this long.
+const STUCK_HOLD: Duration = Duration::from_secs(24 * 3600);
 /// A row published alone whose fate stayed unknown this many times is charged.
 const UNKNOWN_STRIKES: u8 = 2;
 
@@ -96,6 +104,8 @@ pub struct Scanner {
     /// Bound on one batch from lock to commit (`Settings::batch_budget`).
     pub budget: Duration,
     pub confirm_timeout: Duration,
+    /// Client-side bound on a database step (`statement_timeout` + `connect_timeout`).
+    pub db_bound: Duration,
     memory: Mutex<Memory>,
 }
 
@@ -121,6 +131,7 @@ impl Scanner {
             max_message_size: usize::try_from(max).unwrap_or(usize::MAX),
             budget: settings.batch_budget(),
             confirm_timeout: settings.amqp.confirm_timeout,
+            db_bound: settings.postgres.statement_timeout + settings.postgres.connect_timeout,
             memory: Mutex::new(Memory::default()),
         }
     }
@@ -136,13 +147,19 @@ impl Scanner {
         stop: &CancellationToken,
     ) -> Result<BatchOutcome, ScanError> {
         let started = Instant::now();
-        let mut tx = store.begin().await?;
         let skip = self.skipped();
-        let rows = store
-            .lock_due(&mut tx, self.batch_size, self.max_message_size, &skip)
-            .await?;
+        let locked = bounded(self.db_bound, async {
+            let mut tx = store.begin().await?;
+            let mut rows = store
+                .lock_due(&mut tx, self.batch_size, INLINE_PAYLOAD, &skip)
+                .await?;
+            let deferred = self.fetch_large_payloads(store, &mut tx, &mut rows).await?;
+            Ok((tx, rows, deferred))
+        });
+        let (mut tx, rows, deferred) = locked.await?;
         let mut outcome = BatchOutcome {
-            locked: rows.len(),
+            locked: rows.len() + deferred,
+            untouched: deferred,
             ..BatchOutcome::default()
         };
         if rows.is_empty() || lease() != Lease::Held {
@@ -155,24 +172,28 @@ impl Scanner {
         let judged = self.publish(bus, &rows, &budget).await;
         outcome.bus_trouble = judged.trouble;
         // From here on the batch commits: the broker may have confirmed TimeOuts.
-        let settled = match store.settle(&mut tx, &judged.fired, &judged.failures).await {
-            Ok(s) => tx.commit().await.map_err(StoreError::from).map(|()| s),
-            Err(e) => Err(e),
-        };
-        let settled = match settled {
+        let settle = bounded(self.db_bound * 2, async {
+            let settled = store
+                .settle(&mut tx, &judged.fired, &judged.failures)
+                .await?;
+            tx.commit().await?;
+            Ok(settled)
+        });
+        let fired = fired_rows(&rows, &judged.fired);
+        let settled = match settle.await {
             Ok(s) => s,
             Err(source) => {
-                self.remember_leftovers(&rows, &judged.fired);
+                self.remember_later(fired);
                 return Err(ScanError::Commit {
                     fired: judged.fired.len(),
                     source,
                 });
             }
         };
-        self.report(&settled);
+        self.report(&settled, &fired);
         outcome.fired = judged.fired.len();
         outcome.failed = judged.failures.len();
-        outcome.untouched = judged.untouched;
+        outcome.untouched += judged.untouched;
         outcome.parked = settled.parked.len();
         outcome.failure_reasons = judged.reasons;
         outcome.lateness = lateness(&rows, &judged.fired);
@@ -188,26 +209,74 @@ impl Scanner {
         if leftovers.is_empty() {
             return Ok(0);
         }
-        match store.delete_fired(&leftovers).await {
+        match bounded(self.db_bound * 2, store.delete_fired(&leftovers)).await {
             Ok(settled) => {
-                self.report(&settled);
-                Ok(leftovers.len())
+                self.report(&settled, &leftovers);
+                Ok(leftovers.len() - settled.later.len())
             }
             Err(e) => {
-                let mut m = self.memory();
-                m.leftovers.extend(leftovers);
-                m.leftovers.truncate(MEMORY);
+                self.remember_later(leftovers);
                 Err(e)
             }
         }
     }
 
-    /// Log parked rows; hold back rows whose bookkeeping could not be written.
-    fn report(&self, settled: &Settlement) {
+    /// Act on what `settle` could not do the fast way (`fired`: the confirmed rows it
+    /// was given): log parked rows, keep busy ones for a later delete, hold back rows
+    /// whose bookkeeping could not be written.
+    fn report(&self, settled: &Settlement, fired: &[Fired]) {
         for (id, why) in &settled.parked {
             tracing::error!(%id, "{why}; parked (it will not fire again; delete it by hand)");
         }
-        self.skip_unrecorded(&settled.unrecorded);
+        let later = fired.iter().filter(|f| settled.later.contains(&f.id));
+        self.remember_later(later.copied().collect());
+        let mut memory = self.memory();
+        let now = Instant::now();
+        for (id, why) in &settled.stuck {
+            tracing::error!(%id, "TimeOut delivered, but the row can be neither deleted nor \
+                parked ({why}); this node will not publish it again");
+            memory.skip.insert(*id, now + STUCK_HOLD);
+        }
+        for (id, why) in &settled.uncharged {
+            tracing::error!(%id, "cannot record the failure of this row: {why}");
+            memory.skip.insert(*id, now + self.retry_min);
+        }
+        if memory.skip.len() > MEMORY {
+            memory.skip.clear();
+        }
+    }
+
+    /// Fetch the payloads `lock_due` left behind (larger than `INLINE_PAYLOAD`), one by
+    /// one, while the batch holds less than `LARGE_PAYLOADS` of them; rows beyond that
+    /// stay locked but unpublished (the next batch takes them first). Returns how many
+    /// rows were left out. Payloads over `amqp.max_message_size` are not fetched at all:
+    /// those rows fail as too large.
+    async fn fetch_large_payloads(
+        &self,
+        store: &Store,
+        tx: &mut sqlx::PgConnection,
+        rows: &mut Vec<DueRow>,
+    ) -> Result<usize, StoreError> {
+        let mut held = 0;
+        let mut deferred = Vec::new();
+        for (i, row) in rows.iter_mut().enumerate() {
+            let Some(size) = row.payload_withheld() else {
+                continue;
+            };
+            if size > self.max_message_size {
+                continue;
+            }
+            if held > 0 && held + size > LARGE_PAYLOADS {
+                deferred.push(i);
+                continue;
+            }
+            row.payload = store.payload(tx, row.id).await?;
+            held += size;
+        }
+        for i in deferred.iter().rev() {
+            rows.remove(*i);
+        }
+        Ok(deferred.len())
     }
 
     fn budget_from(&self, started: Instant, stop: &CancellationToken) -> Budget {
@@ -296,31 +365,11 @@ impl Scanner {
         (failure, error.reason())
     }
 
-    fn remember_leftovers(&self, rows: &[DueRow], fired: &[Uuid]) {
+    /// Confirmed rows not yet deleted: `settle_leftovers` deletes them.
+    fn remember_later(&self, fired: Vec<Fired>) {
         let mut memory = self.memory();
-        let fired = rows
-            .iter()
-            .filter(|r| fired.contains(&r.id))
-            .map(|r| Fired {
-                id: r.id,
-                timeout_at: r.timeout_at,
-            });
         memory.leftovers.extend(fired);
         memory.leftovers.truncate(MEMORY);
-    }
-
-    /// Rows whose failure could not even be written would be locked again at once and
-    /// fail again: hold them back for a backoff, in memory.
-    fn skip_unrecorded(&self, unrecorded: &[(Uuid, String)]) {
-        let mut memory = self.memory();
-        let until = Instant::now() + self.retry_min;
-        for (id, why) in unrecorded {
-            tracing::error!(%id, "cannot record the failure of this row: {why}");
-            memory.skip.insert(*id, until);
-        }
-        if memory.skip.len() > MEMORY {
-            memory.skip.clear();
-        }
     }
 
     fn skipped(&self) -> Vec<Uuid> {
@@ -364,7 +413,30 @@ impl Judged {
     }
 }
 
+fn fired_rows(rows: &[DueRow], fired: &[Uuid]) -> Vec<Fired> {
+    let fired: HashSet<&Uuid> = fired.iter().collect();
+    rows.iter()
+        .filter(|r| fired.contains(&r.id))
+        .map(|r| Fired {
+            id: r.id,
+            timeout_at: r.timeout_at,
+        })
+        .collect()
+}
+
+/// A database step bounded on the client too: the server's `statement_timeout` cannot
+/// help when the network to it silently drops packets.
+async fn bounded<T>(
+    limit: Duration,
+    step: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, step)
+        .await
+        .unwrap_or(Err(StoreError::NoAnswer(limit)))
+}
+
 fn lateness(rows: &[DueRow], fired: &[Uuid]) -> Vec<Duration> {
+    let fired: HashSet<&Uuid> = fired.iter().collect();
     rows.iter()
         .filter(|r| fired.contains(&r.id))
         .map(|r| (r.fired_at - r.timeout_at).to_std().unwrap_or_default())

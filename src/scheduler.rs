@@ -55,6 +55,9 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
                 match drained {
                     Ok(locked) => {
                         backoff.reset();
+                        if locked == 0 {
+                            recheck_publish(&shared).await;
+                        }
                         next_wake(&shared, locked > 0).await
                     }
                     Err(e) => {
@@ -77,10 +80,41 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
     listener.abort();
 }
 
+/// Delete the confirmed rows of batches that did not commit. Failing that is no reason to
+/// stop firing: they are kept for the next round.
+async fn settle_leftovers(scanner: &Scanner, store: &crate::store::Store) {
+    match scanner.settle_leftovers(store).await {
+        Ok(0) => {}
+        Ok(settled) => {
+            tracing::info!(
+                settled,
+                "deleted the fired rows of a batch that had not committed"
+            )
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot delete the fired rows of an uncommitted batch yet")
+        }
+    }
+}
+
 /// A passive node must know whether it could fire if elected: a withdrawn one rejoins
 /// only when Postgres answers again (so that nobody flaps while the database is down for
 /// everyone) and, if publishing was what failed, when it can get a channel again. Rows fired by a batch that then failed to commit are deleted now too.
 async fn check_while_passive(shared: &Shared, scanner: &Scanner) {
+    recheck_publish(shared).await;
+    // The due-row index, not just `SELECT 1`: a table locked by someone else (a
+    // migration, an ALTER) fails the scan, and must fail this check too.
+    let pinged = next_due(shared).await;
+    shared.health.record(Check::Postgres, &pinged);
+    shared.update_status(|s| s.database_ok = Some(pinged.is_ok()));
+    if pinged.is_ok() {
+        settle_leftovers(scanner, &shared.store).await;
+    }
+}
+
+/// The publish check fails with a batch's trouble and passes with a batch that had
+/// none; with nothing to fire, it is asked directly: can we get a channel?
+async fn recheck_publish(shared: &Shared) {
     let bus = shared.bus.borrow().clone();
     if let Some(bus) = bus
         && shared.health.failing().contains(&Check::Publish.name())
@@ -88,15 +122,6 @@ async fn check_while_passive(shared: &Shared, scanner: &Scanner) {
         shared
             .health
             .record(Check::Publish, &bus.check_publish().await);
-    }
-    let limit = shared.settings.postgres.connect_timeout;
-    let pinged = shared.store.ping(limit).await;
-    shared.health.record(Check::Postgres, &pinged);
-    shared.update_status(|s| s.database_ok = Some(pinged.is_ok()));
-    if pinged.is_ok()
-        && let Err(e) = scanner.settle_leftovers(&shared.store).await
-    {
-        tracing::warn!(error = %e, "cannot delete the fired rows of an uncommitted batch yet");
     }
 }
 
@@ -116,11 +141,20 @@ fn health_backoff(s: &crate::config::Settings) -> Backoff {
 /// tick rather than spin.
 async fn next_wake(shared: &Shared, scanned_some: bool) -> Duration {
     let tick = shared.settings.election.tick;
-    match shared.store.next_due_in().await {
+    match next_due(shared).await {
         // Rounded up by a millisecond so the database's now() has passed it.
         Ok(Some(secs)) if secs > 0.0 => Duration::from_secs_f64(secs + 0.001).min(tick),
         Ok(Some(_)) if scanned_some => Duration::ZERO,
         _ => tick,
+    }
+}
+
+/// Seconds to the earliest deadline (see `Store::next_due_in`), bounded on the client.
+async fn next_due(shared: &Shared) -> Result<Option<f64>, String> {
+    let limit = shared.settings.postgres.statement_timeout;
+    match tokio::time::timeout(limit, shared.store.next_due_in()).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer within {limit:?}")),
     }
 }
 
@@ -175,13 +209,7 @@ async fn drain(
     let parallel = shared.settings.scan.concurrency as usize;
     let mut locked = 0;
     loop {
-        let settled = scanner.settle_leftovers(&shared.store).await?;
-        if settled > 0 {
-            tracing::info!(
-                settled,
-                "deleted the fired rows of a batch that had not committed"
-            );
-        }
+        settle_leftovers(scanner, &shared.store).await;
         let round = (0..parallel)
             .map(|_| scanner.run_batch(&shared.store, bus, || shared.lease(), &shared.stop));
         let mut full = false;

@@ -24,6 +24,8 @@ pub enum StoreError {
     Db(#[from] sqlx::Error),
     #[error("migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("database: no answer within {0:?}")]
+    NoAnswer(Duration),
 }
 
 /// One due row, locked by the scan's transaction.
@@ -78,9 +80,23 @@ pub struct Settlement {
     /// Confirmed rows that could not be deleted (a constraint or trigger of the process
     /// manager refused): kept with `retry_at = 'infinity'` so they never fire again.
     pub parked: Vec<(Uuid, String)>,
-    /// Rows whose bookkeeping could not be written at all: the caller must not retry
-    /// them at once.
-    pub unrecorded: Vec<(Uuid, String)>,
+    /// Confirmed rows whose delete waited too long for a lock: to delete later, in a
+    /// transaction of their own.
+    pub later: Vec<Uuid>,
+    /// Confirmed rows that could be neither deleted nor parked: they must not be
+    /// published again by this process.
+    pub stuck: Vec<(Uuid, String)>,
+    /// Failed rows whose failure could not be written: not to be retried at once.
+    pub uncharged: Vec<(Uuid, String)>,
+}
+
+/// Why the database did not take one write.
+#[derive(Debug, Clone)]
+struct Refusal {
+    /// It waited too long (a lock held by someone else, the statement timeout): it may
+    /// well pass later.
+    busy: bool,
+    reason: String,
 }
 
 /// Longest `last_error` stored; the rest of a long error message adds nothing.
@@ -129,12 +145,14 @@ const DEADLINE: &str = "least(greatest(m.timeout_at, '0001-01-01T00:00:00Z'), \
                         '9999-12-31T23:59:59Z')";
 
 /// The statement that finds and locks due rows, for `table` (bound: `$1` limit, `$2`
-/// largest payload to fetch in bytes, `$3` ids to skip). The benchmark runs it too.
+/// largest payload to fetch with the row, in bytes, `$3` ids to skip). The benchmark
+/// runs it too.
 pub fn lock_due_sql(table: &str) -> String {
     // `timeout_at <= now()` is implied by the due expression; it is spelled out so that
     // no change to the bookkeeping can ever make a row fire before its deadline. The
     // payload is rendered once per row (OFFSET 0 keeps the subquery from being inlined
-    // into each use) and left behind when it is too large to publish.
+    // into each use) and left behind when it is large (see `Store::payload`), so that a
+    // batch of large payloads cannot take batch_size × max_message_size of memory.
     format!(
         "SELECT m.id, m.process_id, m.message_type, {DEADLINE} AS timeout_at, m.exchange, \
          m.routing_key, CASE WHEN octet_length(p.text) <= $2 THEN p.text END AS payload, \
@@ -148,6 +166,7 @@ pub fn lock_due_sql(table: &str) -> String {
 #[derive(Debug, Clone)]
 struct Sql {
     lock_due: Arc<str>,
+    payload: Arc<str>,
     next_due: Arc<str>,
     delete: Arc<str>,
     delete_fired: Arc<str>,
@@ -171,6 +190,7 @@ impl Sql {
         );
         Self {
             lock_due: lock_due_sql(&t).into(),
+            payload: format!("SELECT payload::text FROM {t} WHERE id = $1").into(),
             // Seconds from now (database clock) to the earliest deadline: one index probe.
             next_due: format!(
                 "SELECT extract(epoch FROM ({DUE_AT} - now()))::float8 FROM {t} AS m \
@@ -269,21 +289,34 @@ impl Store {
     }
 
     /// Lock up to `limit` due rows, oldest due first, skipping rows another scan holds and
-    /// the ids in `skip`. Payloads over `max_payload` bytes are left in the database.
+    /// the ids in `skip`. Payloads over `inline` bytes are left in the database.
     pub async fn lock_due(
         &self,
         tx: &mut PgConnection,
         limit: u32,
-        max_payload: usize,
+        inline: usize,
         skip: &[Uuid],
     ) -> Result<Vec<DueRow>, StoreError> {
         let rows = sqlx::query_as(safe(&self.sql.lock_due))
             .bind(i64::from(limit))
-            .bind(i64::try_from(max_payload).unwrap_or(i64::MAX))
+            .bind(i64::try_from(inline).unwrap_or(i64::MAX))
             .bind(skip)
             .fetch_all(tx)
             .await?;
         Ok(rows)
+    }
+
+    /// The payload of one (locked) row as text, for payloads `lock_due` left behind.
+    pub async fn payload(
+        &self,
+        tx: &mut PgConnection,
+        id: Uuid,
+    ) -> Result<Option<String>, StoreError> {
+        let text = sqlx::query_scalar(safe(&self.sql.payload))
+            .bind(id)
+            .fetch_optional(tx)
+            .await?;
+        Ok(text.flatten())
     }
 
     /// Time until the earliest deadline by the database's clock (negative when rows are
@@ -326,10 +359,10 @@ impl Store {
             return Ok(Settlement::default());
         }
         let refused = self.in_halves(tx, confirmed, Write::Delete).await?;
-        let mut out = self.park_all(tx, refused).await?;
+        let mut out = self.park_refused(tx, refused).await?;
         let refused = self.in_halves(tx, failures, Write::Charge).await?;
-        out.unrecorded
-            .extend(refused.into_iter().map(|(f, e)| (f.id, e)));
+        out.uncharged
+            .extend(refused.into_iter().map(|(f, r)| (f.id, r.reason)));
         Ok(out)
     }
 
@@ -340,24 +373,33 @@ impl Store {
     pub async fn delete_fired(&self, fired: &[Fired]) -> Result<Settlement, StoreError> {
         let mut tx = self.begin().await?;
         let refused = self.in_halves(&mut tx, fired, Write::DeleteFired).await?;
-        let refused = refused.into_iter().map(|(f, e)| (f.id, e)).collect();
-        let out = self.park_all(&mut tx, refused).await?;
+        let refused = refused.into_iter().map(|(f, r)| (f.id, r)).collect();
+        let out = self.park_refused(&mut tx, refused).await?;
         tx.commit().await?;
         Ok(out)
     }
 
-    /// Park rows whose TimeOut was delivered but that the database refused to delete.
-    async fn park_all(
+    /// Confirmed rows the database did not let us delete: busy ones are left for later,
+    /// refused ones are parked.
+    async fn park_refused(
         &self,
         tx: &mut PgConnection,
-        refused: Vec<(Uuid, String)>,
+        refused: Vec<(Uuid, Refusal)>,
     ) -> Result<Settlement, StoreError> {
         let mut out = Settlement::default();
-        for (id, error) in refused {
-            let why = format!("TimeOut delivered, but the row cannot be deleted: {error}");
+        for (id, r) in refused {
+            if r.busy {
+                out.later.push(id);
+                continue;
+            }
+            let why = format!(
+                "TimeOut delivered, but the row cannot be deleted: {}",
+                r.reason
+            );
             match self.attempt(tx, Write::Park(id, &why)).await? {
                 Ok(()) => out.parked.push((id, why)),
-                Err(e) => out.unrecorded.push((id, e)),
+                Err(r) if r.busy => out.later.push(id),
+                Err(r) => out.stuck.push((id, r.reason)),
             }
         }
         Ok(out)
@@ -370,7 +412,7 @@ impl Store {
         tx: &mut PgConnection,
         items: &'a [T],
         write: impl Fn(&'a [T]) -> Write<'a>,
-    ) -> Result<Vec<(T, String)>, StoreError> {
+    ) -> Result<Vec<(T, Refusal)>, StoreError> {
         let mut refused = Vec::new();
         let mut todo = vec![items];
         while let Some(part) = todo.pop() {
@@ -386,21 +428,26 @@ impl Store {
         Ok(refused)
     }
 
-    /// One write inside a savepoint: `Ok(Err(reason))` when the database refused it (and
-    /// it was undone), `Err` when the connection failed or the statement timed out.
+    /// One write inside a savepoint: `Ok(Err(refusal))` when the database refused it
+    /// (and it was undone), `Err` when the connection failed.
     async fn attempt(
         &self,
         tx: &mut PgConnection,
         write: Write<'_>,
-    ) -> Result<Result<(), String>, StoreError> {
+    ) -> Result<Result<(), Refusal>, StoreError> {
         sqlx::query("SAVEPOINT settle").execute(&mut *tx).await?;
         match self.write(tx, write).await {
             Ok(()) => Ok(Ok(())),
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() != Some(QUERY_CANCELED) => {
+            Err(sqlx::Error::Database(e)) => {
                 sqlx::query("ROLLBACK TO SAVEPOINT settle")
                     .execute(&mut *tx)
                     .await?;
-                Ok(Err(e.to_string()))
+                let code = e.code();
+                let busy = matches!(code.as_deref(), Some(QUERY_CANCELED | LOCK_NOT_AVAILABLE));
+                Ok(Err(Refusal {
+                    busy,
+                    reason: e.to_string(),
+                }))
             }
             Err(e) => Err(e.into()),
         }
@@ -516,8 +563,9 @@ enum Write<'a> {
     Park(Uuid, &'a str),
 }
 
-/// SQLSTATE of a statement cancelled by `statement_timeout`: not the row's fault.
+/// SQLSTATEs of a write that waited too long (`statement_timeout`, `lock_timeout`).
 const QUERY_CANCELED: &str = "57014";
+const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 fn truncate(error: &str) -> String {
     error.chars().take(MAX_ERROR_CHARS).collect()
@@ -533,12 +581,17 @@ fn connect_options(
     name: &str,
 ) -> Result<PgConnectOptions, StoreError> {
     let timeout = settings.statement_timeout.as_millis().to_string();
+    // A delete that waits for a lock of the process manager's (a foreign key, a
+    // trigger) gives up early and is retried later; the scan itself never waits for row
+    // locks (SKIP LOCKED).
+    let lock_timeout = (settings.statement_timeout / 4).min(Duration::from_secs(1));
     let mut options = PgConnectOptions::from_str(&settings.url)
         .map_err(StoreError::Url)?
         .application_name(name)
         .options([
             ("search_path", settings.schema.clone()),
             ("statement_timeout", timeout.clone()),
+            ("lock_timeout", lock_timeout.as_millis().to_string()),
             // A scanner frozen mid-batch (SIGSTOP, a dead VM) must not hold its row locks
             // forever: the server ends the session and the rows become visible again.
             ("idle_in_transaction_session_timeout", timeout),

@@ -1,9 +1,10 @@
 //! Publishing one batch with confirms, and the fate of every message in it.
 //!
 //! Each message's fate comes from facts about that message, never from ordering luck:
-//! - a batch publishes on a confirm channel of its own (taken from a pool, given back only
-//!   when every confirm came in), so concurrent batches never see each other's returns,
-//!   confirms or channel closes;
+//! - a batch publishes on confirm channels of its own, one per exchange (taken from a
+//!   pool, given back only when every confirm came in), so concurrent batches never see
+//!   each other's returns, confirms or channel closes, and a refusal that closes a
+//!   channel touches no other exchange's messages;
 //! - a returned (unroutable) message is matched by its `message_id`, which the broker
 //!   sends back with it: lapin hands a return to whichever confirm resolves next, so the
 //!   confirm it arrives with says nothing about which message it was;
@@ -14,13 +15,15 @@
 //!   of its own when its exchange has not accepted one of our messages recently, or when
 //!   the caller asks (a message whose fate was unknown after a channel close). The first
 //!   message to an exchange is its pilot: once confirmed (or returned: the exchange
-//!   exists and accepts us) the exchange is trusted and the rest share the batch channel.
-//!   If an exchange refuses the pilot (404/403), every message of the batch for that
-//!   exchange fails with that reason; any other refusal fails the pilot alone and the next
-//!   message for that exchange becomes the pilot.
+//!   exists and accepts us) the exchange is trusted and the rest follow, pipelined. If an
+//!   exchange refuses the pilot (404/403), every message of the batch for that exchange
+//!   fails with that reason (permissions are judged per exchange, not per routing key);
+//!   any other refusal fails the pilot alone and the next message for that exchange
+//!   becomes the pilot. Pilots and the trusted exchanges' messages go out side by side.
 //!
 //! The whole batch is bounded by a [`Budget`]: no message is sent after `send_until` or
-//! once `stop` is cancelled, no confirm is awaited past `confirm_until`.
+//! once `stop` is cancelled, no channel opening, write or confirm is awaited past
+//! `confirm_until`.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -36,8 +39,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Bus, BusError};
 
-/// Pilots in flight at once (each holds a channel).
-const PILOT_PARALLEL: usize = 8;
+/// Pilot chains and shared groups in flight at once (each holds a channel).
+const JOBS_PARALLEL: usize = 8;
 
 /// One message to publish with a confirm.
 #[derive(Debug, Clone)]
@@ -111,6 +114,16 @@ pub struct Budget {
     pub stop: CancellationToken,
 }
 
+/// What a [`BusError::Timeout`] names when a batch's budget ran out: a slow broker for
+/// this batch, not a node that cannot publish.
+const BUDGET_SPENT: &str = "open channel within the batch budget";
+
+impl BusError {
+    fn is_budget(&self) -> bool {
+        matches!(self, BusError::Timeout { what, .. } if *what == BUDGET_SPENT)
+    }
+}
+
 impl Budget {
     fn may_send(&self) -> bool {
         Instant::now() < self.send_until && !self.stop.is_cancelled()
@@ -138,6 +151,15 @@ enum Alone {
     NotSent,
 }
 
+/// A unit of a batch's publishing, on a channel of its own.
+enum Job {
+    /// Messages of one untrusted exchange (or one message that must go alone): sent
+    /// alone one after the other until the exchange accepts one.
+    Pilot(Vec<usize>),
+    /// Messages of one trusted exchange, pipelined.
+    Shared(Vec<usize>),
+}
+
 /// Decided fates, messages handed on to the batch channel, bus trouble.
 #[derive(Default)]
 struct Decided {
@@ -148,33 +170,43 @@ struct Decided {
 
 impl Bus {
     /// Publish `batch` (mandatory, confirm mode) within `budget`; one fate per message.
+    /// Pilots and the trusted exchanges' groups go out at once, side by side; the rest of
+    /// an exchange whose pilot was accepted follows in a second wave.
     pub async fn publish_batch(&self, batch: &[Outgoing], budget: &Budget) -> Published {
         let mut fates: Vec<Option<Fate>> = batch
             .iter()
             .map(|m| self.precheck(m).err().map(Fate::Failed))
             .collect();
-        let (chains, mut shared) = self.plan(batch, &fates);
-        let pilots: Vec<Decided> = futures_util::stream::iter(chains)
-            .map(|chain| self.pilot_chain(batch, chain, budget))
-            .buffer_unordered(PILOT_PARALLEL)
-            .collect()
-            .await;
         let mut trouble = None;
-        for d in pilots {
-            d.fates.into_iter().for_each(|(i, f)| fates[i] = Some(f));
-            shared.extend(d.promoted);
-            trouble = trouble.or(d.trouble);
+        let mut jobs = self.plan(batch, &fates);
+        while !jobs.is_empty() {
+            let done: Vec<Decided> = futures_util::stream::iter(jobs)
+                .map(|job| self.run(batch, job, budget))
+                .buffer_unordered(JOBS_PARALLEL)
+                .collect()
+                .await;
+            jobs = Vec::new();
+            for d in done {
+                d.fates.into_iter().for_each(|(i, f)| fates[i] = Some(f));
+                if !d.promoted.is_empty() {
+                    jobs.push(Job::Shared(d.promoted));
+                }
+                trouble = trouble.or(d.trouble);
+            }
         }
-        // Oldest due first, as the rows were locked.
-        shared.sort_unstable();
-        let d = self.publish_shared(batch, &shared, budget).await;
-        d.fates.into_iter().for_each(|(i, f)| fates[i] = Some(f));
         Published {
             fates: fates
                 .into_iter()
                 .map(|f| f.unwrap_or(Fate::Unsent))
                 .collect(),
-            trouble: trouble.or(d.trouble),
+            trouble,
+        }
+    }
+
+    async fn run(&self, batch: &[Outgoing], job: Job, budget: &Budget) -> Decided {
+        match job {
+            Job::Pilot(chain) => self.pilot_chain(batch, chain, budget).await,
+            Job::Shared(idx) => self.publish_shared(batch, &idx, budget).await,
         }
     }
 
@@ -193,27 +225,29 @@ impl Bus {
         Ok(())
     }
 
-    /// Pilot chains (one per untrusted exchange, one per message that must go alone) and
-    /// the messages that can share the batch channel at once.
-    fn plan(&self, batch: &[Outgoing], fates: &[Option<Fate>]) -> (Vec<Vec<usize>>, Vec<usize>) {
+    /// The first wave: a pilot chain per untrusted exchange and per message that must go
+    /// alone, and a shared channel per trusted exchange (a refusal that closes a channel
+    /// then touches no other exchange's messages). Oldest due first within each.
+    fn plan(&self, batch: &[Outgoing], fates: &[Option<Fate>]) -> Vec<Job> {
         let trusted = self.trusted_exchanges();
-        let mut by_exchange: HashMap<&str, Vec<usize>> = HashMap::new();
-        let mut chains = Vec::new();
-        let mut shared = Vec::new();
+        let mut untrusted: HashMap<&str, Vec<usize>> = HashMap::new();
+        let mut shared: HashMap<&str, Vec<usize>> = HashMap::new();
+        let mut jobs = Vec::new();
         for (i, m) in batch.iter().enumerate() {
             if fates[i].is_some() {
                 continue;
             }
             if m.alone {
-                chains.push(vec![i]);
+                jobs.push(Job::Pilot(vec![i]));
             } else if trusted.contains(&m.exchange) {
-                shared.push(i);
+                shared.entry(&m.exchange).or_default().push(i);
             } else {
-                by_exchange.entry(&m.exchange).or_default().push(i);
+                untrusted.entry(&m.exchange).or_default().push(i);
             }
         }
-        chains.extend(by_exchange.into_values());
-        (chains, shared)
+        jobs.extend(untrusted.into_values().map(Job::Pilot));
+        jobs.extend(shared.into_values().map(Job::Shared));
+        jobs
     }
 
     /// Send the chain's messages alone, one after the other, until the exchange accepts
@@ -238,6 +272,13 @@ impl Bus {
                     d.fates.extend(rest.map(|j| (j, Fate::Failed(e.clone()))));
                     break;
                 }
+                // The broker does not answer for this exchange: try it in the next batch
+                // instead of holding this one up message after message.
+                Alone::Failed(e @ PublishError::ConfirmTimeout(_)) => {
+                    d.fates.push((i, Fate::Failed(e)));
+                    d.fates.extend(rest.map(|j| (j, Fate::Unsent)));
+                    break;
+                }
                 Alone::Failed(e) => d.fates.push((i, Fate::Failed(e))),
                 Alone::Lost(why, e) => {
                     d.fates.push((i, Fate::Unknown(why)));
@@ -248,7 +289,7 @@ impl Bus {
                 Alone::NoChannel(e) => {
                     d.fates.push((i, Fate::Unsent));
                     d.fates.extend(rest.map(|j| (j, Fate::Unsent)));
-                    d.trouble = Some(e);
+                    d.trouble = Some(e).filter(|e| !e.is_budget());
                     break;
                 }
                 Alone::NotSent => {
@@ -302,17 +343,18 @@ impl Bus {
         }
     }
 
-    /// The trusted messages, pipelined on one channel of this batch.
+    /// One trusted exchange's messages, pipelined on a channel of their own.
     async fn publish_shared(&self, batch: &[Outgoing], idx: &[usize], budget: &Budget) -> Decided {
         let mut d = Decided::default();
-        if idx.is_empty() {
+        if !budget.may_send() {
+            d.fates.extend(idx.iter().map(|i| (*i, Fate::Unsent)));
             return d;
         }
         let channel = match self.channel_within(budget).await {
             Ok(c) => c,
             Err(e) => {
                 d.fates.extend(idx.iter().map(|i| (*i, Fate::Unsent)));
-                d.trouble = Some(e);
+                d.trouble = Some(e).filter(|e| !e.is_budget());
                 return d;
             }
         };
@@ -395,7 +437,7 @@ impl Bus {
         match timeout_at(budget.confirm_until.into(), self.confirm_channel()).await {
             Ok(channel) => channel,
             Err(_) => Err(BusError::Timeout {
-                what: "open channel",
+                what: BUDGET_SPENT,
                 after,
             }),
         }

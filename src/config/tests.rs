@@ -183,7 +183,7 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__SCAN__BATCH_SIZE", "100000", "scan.batch_size"),
         ("TIMEOUTD__BACKOFF__MIN", "1m", "backoff.min"),
         ("TIMEOUTD__SHUTDOWN__TIMEOUT", "0s", "shutdown.timeout"),
-        ("TIMEOUTD__SHUTDOWN__TIMEOUT", "5s", "shutdown.timeout"),
+        ("TIMEOUTD__SHUTDOWN__TIMEOUT", "7s", "shutdown.timeout"),
         (
             "TIMEOUTD__AMQP__CA_FILE",
             "/nonexistent/ca.pem",

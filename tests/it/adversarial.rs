@@ -3,8 +3,8 @@
 //!
 //! Each case draws a few hundred rows of every kind at random — routable (topic exchange
 //! and default exchange), unroutable, missing exchange, internal exchange, payloads that a
-//! JSON library refuses (numbers beyond f64, nesting deeper than 128), payloads over
-//! `amqp.max_message_size`, ±infinity and far-past deadlines, a process id over 255 bytes,
+//! JSON library refuses (numbers beyond f64, nesting deeper than 128), large payloads
+//! (fetched one by one) and payloads over `amqp.max_message_size`, ±infinity and far-past deadlines, a process id over 255 bytes,
 //! an exchange our broker user may not write to, `attempts` at `i32::MAX`, a row whose old retry time is earlier than its moved
 //! deadline, a row the process manager's foreign key will not let go, and rows moved or
 //! cancelled by the process manager while their batch may be in flight — and runs them
@@ -41,8 +41,9 @@ use uuid::Uuid;
 
 use crate::common::{World, amqp, wait_for, wait_for_async};
 
-/// A small limit so that "too large" rows are cheap to make.
-const MAX_MESSAGE: usize = 64 * 1024;
+/// A small limit so that "too large" rows are cheap to make; above the 64 KiB a row
+/// carries inline, so that large payloads take the daemon's one-by-one path.
+const MAX_MESSAGE: usize = 256 * 1024;
 /// The daemons connect as a user that may not write to exchanges named like this.
 const DENIED_PREFIX: &str = "adv-denied-";
 const USER: &str = "timeoutd_adversarial";
@@ -82,6 +83,7 @@ enum Kind {
     DeniedExchange,
     HugeNumber,
     DeepNesting,
+    LargePayload,
     TooLarge,
     Infinity,
     MinusInfinity,
@@ -104,6 +106,7 @@ const KINDS: &[(Kind, u32)] = &[
     (Kind::DeniedExchange, 3),
     (Kind::HugeNumber, 4),
     (Kind::DeepNesting, 3),
+    (Kind::LargePayload, 3),
     (Kind::TooLarge, 3),
     (Kind::Infinity, 2),
     (Kind::MinusInfinity, 2),
@@ -374,6 +377,10 @@ fn plan_row(rng: &mut StdRng, topo: &Topology, i: usize, now: DateTime<Utc>) -> 
             row.payload = Some(format!("{}{i}{}", "[".repeat(depth), "]".repeat(depth)));
         }
         Kind::TooLarge => row.payload = Some(format!(r#""{}""#, "x".repeat(MAX_MESSAGE + 10))),
+        Kind::LargePayload => {
+            let size = rng.random_range(70 * 1024..MAX_MESSAGE - 1024);
+            row.payload = Some(format!(r#"{{"i": {i}, "blob": "{}"}}"#, "y".repeat(size)));
+        }
         Kind::Infinity => {
             row.timeout_at = "infinity".into();
             row.deadline = None;
@@ -682,7 +689,7 @@ async fn run_case(seed: u64, rows: usize, durable: bool, faulty: bool) {
             ("TIMEOUTD__SCAN__BATCH_SIZE", "40"),
             ("TIMEOUTD__SCAN__RETRY_MIN", "300ms"),
             ("TIMEOUTD__SCAN__RETRY_MAX", "1s"),
-            ("TIMEOUTD__AMQP__MAX_MESSAGE_SIZE", "64KiB"),
+            ("TIMEOUTD__AMQP__MAX_MESSAGE_SIZE", "256KiB"),
         ]
         .map(|(k, v)| (k.to_owned(), v.to_owned())),
     );

@@ -37,9 +37,11 @@ async fn three_nodes_elect_the_lowest_within_settle() {
     })
     .await;
     // The claim reaches the observer a moment after the role changed.
-    wait_for(Duration::from_secs(3), "the observer hears the claim", || {
-        observer.all().iter().any(|s| s.a.active)
-    })
+    wait_for(
+        Duration::from_secs(3),
+        "the observer hears the claim",
+        || observer.all().iter().any(|s| s.a.active),
+    )
     .await;
     // Nobody but the lowest ever claimed to be active.
     let claims: Vec<_> = observer
