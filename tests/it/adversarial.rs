@@ -431,34 +431,24 @@ impl Consumer {
             durable: true,
             ..ExchangeDeclareOptions::default()
         };
-        ch.exchange_declare(
-            topo.exchange.as_str().into(),
-            ExchangeKind::Topic,
-            durable,
-            FieldTable::default(),
-        )
-        .await
-        .expect("exchange");
         let internal = ExchangeDeclareOptions {
             internal: true,
             ..ExchangeDeclareOptions::default()
         };
-        ch.exchange_declare(
-            topo.internal.as_str().into(),
-            ExchangeKind::Topic,
-            internal,
-            FieldTable::default(),
-        )
-        .await
-        .expect("internal exchange");
-        ch.exchange_declare(
-            topo.denied.as_str().into(),
-            ExchangeKind::Topic,
-            durable,
-            FieldTable::default(),
-        )
-        .await
-        .expect("denied exchange");
+        for (name, opts) in [
+            (&topo.exchange, durable),
+            (&topo.internal, internal),
+            (&topo.denied, durable),
+        ] {
+            ch.exchange_declare(
+                name.as_str().into(),
+                ExchangeKind::Topic,
+                opts,
+                FieldTable::default(),
+            )
+            .await
+            .expect("exchange");
+        }
         let queue = QueueDeclareOptions {
             durable: topo.durable,
             ..QueueDeclareOptions::default()

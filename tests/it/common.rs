@@ -199,22 +199,7 @@ impl Inbox {
             auto_delete: true,
             ..ExchangeDeclareOptions::default()
         };
-        ch.exchange_declare(
-            exchange.into(),
-            ExchangeKind::Topic,
-            opts,
-            FieldTable::default(),
-        )
-        .await
-        .expect("exchange");
-        let bind = ch.queue_bind(
-            self.queue.as_str().into(),
-            exchange.into(),
-            key.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        );
-        bind.await.expect("bind");
+        bind_to_exchange(&ch, &self.queue, (exchange, key, opts)).await;
         let _ = ch.close(200, "OK".into()).await;
     }
 
@@ -246,24 +231,8 @@ async fn consumed_queue(
         )
         .await
         .expect("queue");
-    if let Some((exchange, key, opts)) = binding {
-        ch.exchange_declare(
-            exchange.into(),
-            ExchangeKind::Topic,
-            opts,
-            FieldTable::default(),
-        )
-        .await
-        .expect("exchange");
-        ch.queue_bind(
-            q.name().clone(),
-            exchange.into(),
-            key.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind");
+    if let Some(binding) = binding {
+        bind_to_exchange(ch, q.name().as_str(), binding).await;
     }
     let opts = BasicConsumeOptions {
         no_ack: true,
@@ -274,6 +243,31 @@ async fn consumed_queue(
         .await
         .expect("consume");
     (q.name().to_string(), consumer)
+}
+
+/// Declare the topic exchange of `(exchange, key, options)` and bind `queue` to it.
+async fn bind_to_exchange(
+    ch: &lapin::Channel,
+    queue: &str,
+    (exchange, key, opts): (&str, &str, ExchangeDeclareOptions),
+) {
+    ch.exchange_declare(
+        exchange.into(),
+        ExchangeKind::Topic,
+        opts,
+        FieldTable::default(),
+    )
+    .await
+    .expect("exchange");
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("bind");
 }
 
 /// One announcement seen on the group's routing key.
