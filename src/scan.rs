@@ -164,7 +164,7 @@ impl Scanner {
         };
         if rows.is_empty() || lease() != Lease::Held {
             outcome.lease_lost = !rows.is_empty();
-            tx.rollback().await.map_err(StoreError::from)?;
+            bounded(self.db_bound, async { Ok(tx.rollback().await?) }).await?;
             outcome.duration = started.elapsed();
             return Ok(outcome);
         }
