@@ -198,7 +198,7 @@ pub(crate) struct Shared {
     pub(crate) bus: watch::Sender<Option<Arc<Bus>>>,
     pub(crate) probe: Arc<Probe>,
     pub(crate) store: Store,
-    pub(crate) health: Health,
+    pub(crate) health: Arc<Health>,
     pub(crate) stop: CancellationToken,
 }
 
@@ -265,7 +265,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         bus: bus_tx,
         probe: probe.clone(),
         store,
-        health: Health::default(),
+        health: Arc::default(),
         stop: stop.clone(),
     });
     tracing::info!(node_id = %node_id, group = %shared.settings.election.group, "starting");

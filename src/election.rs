@@ -222,6 +222,9 @@ pub struct Election {
     phase: Phase,
     role: Role,
     last_tick: Instant,
+    /// When the current view began (start, or the last restart after a pause): checks
+    /// failing since before it count from here.
+    view_since: Instant,
     last_heard: Instant,
     next_announce: Instant,
     silent_warned: bool,
@@ -241,6 +244,7 @@ impl Election {
             phase: Phase::Settled,
             role: Role::Passive,
             last_tick: now,
+            view_since: now,
             last_heard: now,
             next_announce: now,
             silent_warned: false,
@@ -343,13 +347,15 @@ impl Election {
         if self.phase == Phase::Leaving {
             return;
         }
+        // A process paused with a check under way would count the pause as failing.
+        self.detect_pause(now);
         let Some(since) = failing_since else {
             if std::mem::take(&mut self.causes.unhealthy) {
                 self.rejoin_if_fit(now);
             }
             return;
         };
-        let failing = now.saturating_duration_since(since);
+        let failing = now.saturating_duration_since(since.max(self.view_since));
         if failing > self.timing.member_ttl && !self.causes.unhealthy {
             self.causes.unhealthy = true;
             self.withdraw(Reason::Unhealthy(failing));
@@ -443,6 +449,7 @@ impl Election {
     fn restart(&mut self, now: Instant, reason: Reason) {
         self.set_role(Role::Passive, reason);
         self.members.clear();
+        self.view_since = now;
         self.last_tick = now;
         self.last_heard = now;
         if self.phase == Phase::Withdrawn {

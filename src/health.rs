@@ -4,7 +4,7 @@
 //! failed for longer than `member_ttl`, so that a healthy node takes over.
 
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// One thing the node must be able to do to be worth electing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,20 +33,44 @@ impl Check {
     }
 }
 
-/// The failing-since instant of every check, written by the tasks that run them.
+/// The failing-since instant of every check, written by the tasks that run them, and the
+/// steps under way.
 #[derive(Debug, Default)]
 pub struct Health {
-    failing: Mutex<[Option<Instant>; 3]>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    failing: [Option<Instant>; 3],
+    /// Steps under way: (id, check, since).
+    steps: Vec<(u64, Check, Instant)>,
+    next_id: u64,
+}
+
+/// A step in flight longer than this is listed as failing in `/status`.
+const SLOW_STEP: Duration = Duration::from_secs(1);
+
+/// A step of a check under way (see [`Health::step`]); it ends when dropped.
+pub struct Step<'a> {
+    health: &'a Health,
+    id: u64,
+}
+
+impl Drop for Step<'_> {
+    fn drop(&mut self) {
+        self.health.lock().steps.retain(|(id, _, _)| *id != self.id);
+    }
 }
 
 impl Health {
     pub fn pass(&self, check: Check) {
-        self.lock()[check.index()] = None;
+        self.lock().failing[check.index()] = None;
     }
 
     /// A failure keeps the instant of the first one in a row.
     pub fn fail(&self, check: Check, now: Instant) {
-        self.lock()[check.index()].get_or_insert(now);
+        self.lock().failing[check.index()].get_or_insert(now);
     }
 
     pub fn record<T, E>(&self, check: Check, result: &Result<T, E>) {
@@ -56,31 +80,49 @@ impl Health {
         }
     }
 
-    /// Since when at least one check has been failing without a break.
-    pub fn failing_since(&self) -> Option<Instant> {
-        self.lock().iter().flatten().min().copied()
+    /// A step of `check` begins: until it ends it counts as failing since it began. A
+    /// step that hangs (a network that silently drops packets: no error for minutes)
+    /// then withdraws the node like an error would; a step of milliseconds never can.
+    pub fn step(&self, check: Check) -> Step<'_> {
+        let mut state = self.lock();
+        state.next_id += 1;
+        let id = state.next_id;
+        state.steps.push((id, check, Instant::now()));
+        Step { health: self, id }
     }
 
-    /// The names of the failing checks, for `/status` and `/readyz`.
+    /// Since when at least one check has been failing without a break, or one step has
+    /// been under way.
+    pub fn failing_since(&self) -> Option<Instant> {
+        let state = self.lock();
+        let steps = state.steps.iter().map(|(_, _, since)| *since);
+        state.failing.iter().flatten().copied().chain(steps).min()
+    }
+
+    /// The names of the failing checks (slow steps included), for `/status` and `/readyz`.
     pub fn failing(&self) -> Vec<&'static str> {
-        let failing = self.lock();
+        let state = self.lock();
+        let slow = |c: &Check| {
+            state
+                .steps
+                .iter()
+                .any(|(_, check, since)| check == c && since.elapsed() > SLOW_STEP)
+        };
         CHECKS
             .iter()
-            .filter(|c| failing[c.index()].is_some())
+            .filter(|c| state.failing[c.index()].is_some() || slow(c))
             .map(|c| c.name())
             .collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, [Option<Instant>; 3]> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // Plain instants: a panicking holder cannot leave them inconsistent.
-        self.failing.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]
@@ -98,5 +140,16 @@ mod tests {
         h.pass(Check::Publish);
         assert_eq!(h.failing_since(), None);
         assert!(h.failing().is_empty());
+    }
+
+    #[test]
+    fn a_step_under_way_counts_as_failing_since_it_began_until_it_ends() {
+        let h = Health::default();
+        let step = h.step(Check::Postgres);
+        let since = h.failing_since().expect("a step under way");
+        assert!(since.elapsed() < Duration::from_secs(1));
+        assert!(h.failing().is_empty(), "not slow yet");
+        drop(step);
+        assert_eq!(h.failing_since(), None);
     }
 }

@@ -11,7 +11,7 @@
 //! later statement (`Scanner::settle_leftovers`), so they do not fire again in a loop.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -24,6 +24,7 @@ use uuid::Uuid;
 use crate::backoff;
 use crate::bus::{self, Budget, Bus, BusError, Fate, Outgoing, PublishError};
 use crate::election::Lease;
+use crate::health::{Check, Health};
 use crate::store::{DueRow, Failure, Fired, Settlement, Store, StoreError};
 
 /// AMQP `type` of every TimeOut.
@@ -106,6 +107,8 @@ pub struct Scanner {
     pub confirm_timeout: Duration,
     /// Client-side bound on a database step (`statement_timeout` + `connect_timeout`).
     pub db_bound: Duration,
+    /// Where database steps under way are reported (a hung one withdraws the node).
+    health: Arc<Health>,
     memory: Mutex<Memory>,
 }
 
@@ -121,7 +124,7 @@ struct Memory {
 }
 
 impl Scanner {
-    pub fn new(node_id: Uuid, settings: &crate::config::Settings) -> Self {
+    pub fn new(node_id: Uuid, settings: &crate::config::Settings, health: Arc<Health>) -> Self {
         let max = settings.amqp.max_message_size.as_u64();
         Self {
             node_id,
@@ -132,8 +135,20 @@ impl Scanner {
             budget: settings.batch_budget(),
             confirm_timeout: settings.amqp.confirm_timeout,
             db_bound: settings.postgres.statement_timeout + settings.postgres.connect_timeout,
+            health,
             memory: Mutex::new(Memory::default()),
         }
+    }
+
+    /// A database step: bounded on the client, and reported to the node's health while
+    /// under way.
+    async fn db<T>(
+        &self,
+        limit: Duration,
+        step: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let _under_way = self.health.step(Check::Postgres);
+        bounded(limit, step).await
     }
 
     /// Run one batch. `lease` is asked right before publishing: anything but `Held` rolls
@@ -148,7 +163,7 @@ impl Scanner {
     ) -> Result<BatchOutcome, ScanError> {
         let started = Instant::now();
         let skip = self.skipped();
-        let locked = bounded(self.db_bound, async {
+        let locked = self.db(self.db_bound, async {
             let mut tx = store.begin().await?;
             let mut rows = store
                 .lock_due(&mut tx, self.batch_size, INLINE_PAYLOAD, &skip)
@@ -164,7 +179,8 @@ impl Scanner {
         };
         if rows.is_empty() || lease() != Lease::Held {
             outcome.lease_lost = !rows.is_empty();
-            bounded(self.db_bound, async { Ok(tx.rollback().await?) }).await?;
+            self.db(self.db_bound, async { Ok(tx.rollback().await?) })
+                .await?;
             outcome.duration = started.elapsed();
             return Ok(outcome);
         }
@@ -172,7 +188,7 @@ impl Scanner {
         let judged = self.publish(bus, &rows, &budget).await;
         outcome.bus_trouble = judged.trouble;
         // From here on the batch commits: the broker may have confirmed TimeOuts.
-        let settle = bounded(self.db_bound * 2, async {
+        let settle = self.db(self.db_bound * 2, async {
             let settled = store
                 .settle(&mut tx, &judged.fired, &judged.failures)
                 .await?;
@@ -209,7 +225,10 @@ impl Scanner {
         if leftovers.is_empty() {
             return Ok(0);
         }
-        match bounded(self.db_bound * 2, store.delete_fired(&leftovers)).await {
+        match self
+            .db(self.db_bound * 2, store.delete_fired(&leftovers))
+            .await
+        {
             Ok(settled) => {
                 self.report(&settled, &leftovers);
                 Ok(leftovers.len() - settled.later.len())

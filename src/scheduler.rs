@@ -23,7 +23,7 @@ const SUMMARY_EVERY: Duration = Duration::from_secs(1);
 /// The scan loop of one node (runs for the daemon's whole life; idle while passive).
 pub(crate) async fn scan_loop(shared: Arc<Shared>) {
     let settings = &shared.settings;
-    let scanner = Scanner::new(shared.node_id, settings);
+    let scanner = Scanner::new(shared.node_id, settings, shared.health.clone());
     let wake = Arc::new(Notify::new());
     let listener = tokio::spawn(listen(shared.clone(), wake.clone()));
     let mut role = shared.role.subscribe();
@@ -152,6 +152,7 @@ async fn next_wake(shared: &Shared, scanned_some: bool) -> Duration {
 /// Seconds to the earliest deadline (see `Store::next_due_in`), bounded on the client.
 async fn next_due(shared: &Shared) -> Result<Option<f64>, String> {
     let limit = shared.settings.postgres.statement_timeout;
+    let _under_way = shared.health.step(Check::Postgres);
     match tokio::time::timeout(limit, shared.store.next_due_in()).await {
         Ok(r) => r.map_err(|e| e.to_string()),
         Err(_) => Err(format!("no answer within {limit:?}")),

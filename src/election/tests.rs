@@ -828,10 +828,13 @@ fn a_withdrawn_node_announces_withdrawn_periodically_and_to_probes() {
 fn a_node_stays_withdrawn_while_any_cause_holds() {
     let t0 = Instant::now();
     let mut e = settled_alone(id(1), t0);
+    let since = t0 + Duration::from_millis(1100);
+    e.tick(since);
+    e.tick(t0 + Duration::from_secs(3));
     drain(&mut e);
-    let t = t0 + Duration::from_millis(1100);
+    let t = t0 + Duration::from_millis(4200);
     e.observe_own_lag(t, Duration::from_secs(2));
-    e.observe_health(t, Some(t0 - Duration::from_secs(5)));
+    e.observe_health(t, Some(since));
     let out = drain(&mut e);
     assert_eq!(
         candidacy(&out),
@@ -848,14 +851,17 @@ fn a_node_stays_withdrawn_while_any_cause_holds() {
 #[test]
 fn a_pause_or_a_lost_bus_keeps_a_withdrawn_node_withdrawn_and_silent_about_probing() {
     let t0 = Instant::now();
-    let since = t0 - Duration::from_secs(5);
+    let since = t0 + Duration::from_millis(1100);
     for lose in [
         |e: &mut Election, now| assert_eq!(e.check_lease(now), Lease::Stale),
         |e: &mut Election, now| e.bus_lost(now),
     ] {
         let mut e = settled_alone(id(1), t0);
-        let t = t0 + Duration::from_millis(1100);
+        e.tick(since);
+        e.tick(t0 + Duration::from_secs(3));
+        let t = t0 + Duration::from_millis(4200);
         e.observe_health(t, Some(since));
+        assert!(!e.is_candidate(), "withdrawn before the loss");
         drain(&mut e);
         let later = t + Duration::from_secs(10);
         lose(&mut e, later);
@@ -1046,4 +1052,35 @@ fn a_lagging_lowest_node_is_passed_over_at_once_and_rejoins_when_on_time() {
     }));
     assert_eq!(candidacy(&node1), vec![(true, Reason::Fit)]);
     assert_eq!(active_ids(&nodes), vec![id(1)]);
+}
+
+/// A process frozen (SIGSTOP, `docker pause`) while one of its checks was under way sees,
+/// on resume, that check "failing" for as long as the pause: it is the pause that it
+/// must act on (drop the role, settle again), not a withdrawal.
+#[test]
+fn a_pause_with_a_check_under_way_is_a_pause_not_a_failing_check() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    let step_began = t0 + Duration::from_millis(1100);
+    e.tick(step_began);
+    drain(&mut e);
+    let resumed = step_began + Duration::from_secs(5);
+    e.observe_health(resumed, Some(step_began));
+    e.tick(resumed);
+    let out = drain(&mut e);
+    assert!(e.is_candidate(), "not withdrawn: {out:?}");
+    assert!(
+        role_changes(&out)
+            .iter()
+            .any(|(r, why)| *r == Role::Passive && matches!(why, Reason::Paused(_))),
+        "the pause is what it noticed: {out:?}"
+    );
+    // The check still under way a member_ttl after the resume: now it counts.
+    let later = resumed + Duration::from_millis(3100);
+    e.tick(resumed + Duration::from_millis(3000));
+    e.observe_health(later, Some(step_began));
+    assert!(
+        !e.is_candidate(),
+        "withdrawn once failing past member_ttl since the resume"
+    );
 }
