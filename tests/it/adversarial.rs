@@ -58,7 +58,7 @@ async fn limited_user() -> String {
         &["set_permissions", "-p", "/", USER, ".*", &write, ".*"],
     ];
     for args in steps {
-        let out = tokio::process::Command::new("rabbitmqctl")
+        let out = crate::common::rabbitmqctl()
             .arg("-q")
             .args(args)
             .output()
@@ -70,7 +70,7 @@ async fn limited_user() -> String {
             "rabbitmqctl {args:?}: {err}"
         );
     }
-    format!("amqp://{USER}:{USER}@127.0.0.1:5672/%2f")
+    format!("amqp://{USER}:{USER}@{}/%2f", crate::common::amqp_addr())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -22,8 +22,55 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-pub const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+/// Where the tests find RabbitMQ and Postgres: this machine's by default; another pair
+/// (RabbitMQ 4.3 and Postgres 18 of the compose stack, in CI) through the environment.
+pub fn amqp_url() -> String {
+    service(
+        "TIMEOUTD_TEST_AMQP_URL",
+        "amqp://guest:guest@127.0.0.1:5672/%2f",
+    )
+}
+
+pub fn pg_url() -> String {
+    service(
+        "TIMEOUTD_TEST_PG_URL",
+        "postgres://postgres@127.0.0.1:5432/postgres",
+    )
+}
+
+/// `host:port` of the broker, for proxies in front of it.
+pub fn amqp_addr() -> String {
+    host_port(&amqp_url())
+}
+
+/// `host:port` of the database, for proxies in front of it.
+pub fn pg_addr() -> String {
+    host_port(&pg_url())
+}
+
+/// `rabbitmqctl` for the broker under test (`TIMEOUTD_TEST_RABBITMQCTL`, e.g. `docker exec
+/// NAME rabbitmqctl`).
+pub fn rabbitmqctl() -> tokio::process::Command {
+    let line = service("TIMEOUTD_TEST_RABBITMQCTL", "rabbitmqctl");
+    let mut words = line.split_whitespace();
+    let mut cmd = tokio::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
+    cmd.args(words);
+    cmd
+}
+
+fn service(var: &str, default: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| default.to_owned())
+}
+
+fn host_port(url: &str) -> String {
+    let url = url::Url::parse(url).expect("service URL");
+    let host = url.host_str().expect("host");
+    let port = url.port_or_known_default().unwrap_or(match url.scheme() {
+        "amqp" => 5672,
+        _ => 5432,
+    });
+    format!("{host}:{port}")
+}
 
 /// One isolated test world: a schema, a group, env overrides.
 pub struct World {
@@ -36,7 +83,9 @@ pub struct World {
 impl World {
     pub async fn new() -> Self {
         let tag = Uuid::new_v4().simple().to_string()[..12].to_owned();
-        let pool = PgPool::connect(PG_URL).await.expect("postgres reachable");
+        let pool = PgPool::connect(&pg_url())
+            .await
+            .expect("postgres reachable");
         let world = Self {
             schema: format!("t_{tag}"),
             group: format!("g-{tag}"),
@@ -50,8 +99,8 @@ impl World {
     /// The environment a daemon of this world runs with.
     pub fn env(&self) -> Vec<(String, String)> {
         let mut env = vec![
-            ("TIMEOUTD__AMQP__URL".to_owned(), AMQP_URL.to_owned()),
-            ("TIMEOUTD__POSTGRES__URL".to_owned(), PG_URL.to_owned()),
+            ("TIMEOUTD__AMQP__URL".to_owned(), amqp_url()),
+            ("TIMEOUTD__POSTGRES__URL".to_owned(), pg_url()),
             ("TIMEOUTD__POSTGRES__SCHEMA".to_owned(), self.schema.clone()),
             ("TIMEOUTD__ELECTION__GROUP".to_owned(), self.group.clone()),
             (
@@ -110,7 +159,7 @@ impl World {
 }
 
 pub async fn amqp() -> Connection {
-    Connection::connect(AMQP_URL, ConnectionProperties::default())
+    Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
         .expect("rabbitmq reachable")
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use timeoutd::client::{self, Expectation};
 
-use crate::common::{Inbox, Observer, Proc, World, wait_for, wait_for_async};
+use crate::common::{Inbox, Observer, Proc, World, amqp_addr, pg_addr, wait_for, wait_for_async};
 use crate::proxy::{Mode, Proxy};
 
 /// Contract bound for a new active node (member_ttl + tick + settle), plus one announce
@@ -331,7 +331,7 @@ async fn postgres_backends_of_the_active_node_terminated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_proxy_cuts_and_refuses_the_broker() {
-    let (proxy, world) = behind_proxy("127.0.0.1:5672", "TIMEOUTD__AMQP__URL", amqp_url).await;
+    let (proxy, world) = behind_proxy(&amqp_addr(), "TIMEOUTD__AMQP__URL", amqp_url).await;
     let (s, procs, _) = opened("tcp-cut", world, 2, 1500, Duration::from_secs(5)).await;
     let since = Instant::now();
     proxy.set(Mode::Refuse);
@@ -358,7 +358,7 @@ async fn tcp_proxy_cuts_and_refuses_the_broker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_outage_keeps_the_role_and_fires_after() {
     let pg_url = |a| format!("postgres://postgres@{a}/postgres");
-    let (proxy, world) = behind_proxy("127.0.0.1:5432", "TIMEOUTD__POSTGRES__URL", pg_url).await;
+    let (proxy, world) = behind_proxy(&pg_addr(), "TIMEOUTD__POSTGRES__URL", pg_url).await;
     let (s, procs, _) = opened("pg-outage", world, 1, 1500, Duration::from_secs(5)).await;
     let node = &procs[0];
     let since = Instant::now();
@@ -389,7 +389,7 @@ async fn postgres_outage_keeps_the_role_and_fires_after() {
 /// with code 3 once the lag has lasted max_lag_exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_announcements_lag_steps_down_and_exits() {
-    let (proxy, mut world) = behind_proxy("127.0.0.1:5672", "TIMEOUTD__AMQP__URL", amqp_url).await;
+    let (proxy, mut world) = behind_proxy(&amqp_addr(), "TIMEOUTD__AMQP__URL", amqp_url).await;
     world.overrides.extend([
         ("TIMEOUTD__ELECTION__MAX_LAG".to_owned(), "1s".to_owned()),
         (
@@ -465,7 +465,7 @@ async fn terminate_backends(world: &World, node: uuid::Uuid) -> i64 {
 /// Close the node's AMQP connection from the broker side (`rabbitmqctl`), identified by
 /// its connection name.
 async fn close_amqp_connection(node: uuid::Uuid) {
-    let out = tokio::process::Command::new("rabbitmqctl")
+    let out = crate::common::rabbitmqctl()
         .args([
             "-q",
             "--no-table-headers",
@@ -484,7 +484,7 @@ async fn close_amqp_connection(node: uuid::Uuid) {
         .and_then(|l| l.split('\t').next())
         .expect("the node's connection")
         .to_owned();
-    let ok = tokio::process::Command::new("rabbitmqctl")
+    let ok = crate::common::rabbitmqctl()
         .args(["-q", "close_connection", &pid, "fault injection"])
         .status()
         .await
@@ -540,14 +540,8 @@ fn first_fired_by_another(
 async fn the_active_node_cut_from_postgres_alone_hands_over() {
     let world = World::new().await;
     let mut s = Scenario::new("pg-cut-active", world).await;
-    let (proxies, procs) = each_behind_proxy(
-        &s.world,
-        3,
-        "127.0.0.1:5432",
-        "TIMEOUTD__POSTGRES__URL",
-        pg_url,
-    )
-    .await;
+    let (proxies, procs) =
+        each_behind_proxy(&s.world, 3, &pg_addr(), "TIMEOUTD__POSTGRES__URL", pg_url).await;
     let i = active(&s, &procs).await;
     s.insert(2000, Duration::from_secs(1), Duration::from_secs(9))
         .await;
@@ -586,7 +580,7 @@ async fn the_active_node_cut_from_postgres_alone_hands_over() {
 /// while it is down; once it is back they rejoin and exactly one fires everything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_down_for_everyone_nobody_flaps() {
-    let (proxy, world) = behind_proxy("127.0.0.1:5432", "TIMEOUTD__POSTGRES__URL", pg_url).await;
+    let (proxy, world) = behind_proxy(&pg_addr(), "TIMEOUTD__POSTGRES__URL", pg_url).await;
     let (s, procs, _) = opened("pg-down-all", world, 2, 800, Duration::from_secs(4)).await;
     let since = Instant::now();
     proxy.set(Mode::Refuse);
@@ -653,14 +647,8 @@ async fn a_lagging_lowest_node_is_passed_over_at_once() {
         ),
     ]);
     let mut s = Scenario::new("lag-lowest", world).await;
-    let (proxies, procs) = each_behind_proxy(
-        &s.world,
-        2,
-        "127.0.0.1:5672",
-        "TIMEOUTD__AMQP__URL",
-        amqp_url,
-    )
-    .await;
+    let (proxies, procs) =
+        each_behind_proxy(&s.world, 2, &amqp_addr(), "TIMEOUTD__AMQP__URL", amqp_url).await;
     let i = active(&s, &procs).await;
     let (victim, other) = (procs[i].node_id, procs[1 - i].node_id);
     s.insert(800, Duration::from_secs(1), Duration::from_secs(8))
@@ -720,7 +708,7 @@ async fn a_lagging_lowest_node_is_passed_over_at_once() {
 /// rest, each exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_a_slow_batch_in_flight_commits_it() {
-    let (proxy, world) = behind_proxy("127.0.0.1:5672", "TIMEOUTD__AMQP__URL", amqp_url).await;
+    let (proxy, world) = behind_proxy(&amqp_addr(), "TIMEOUTD__AMQP__URL", amqp_url).await;
     let mut s = Scenario::new("sigterm-slow-batch", world).await;
     s.insert(3000, Duration::from_millis(500), Duration::ZERO)
         .await;
@@ -746,7 +734,7 @@ async fn sigterm_with_a_slow_batch_in_flight_commits_it() {
 /// arrives exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_broker_cannot_make_a_batch_outlive_its_transaction() {
-    let (proxy, mut world) = behind_proxy("127.0.0.1:5672", "TIMEOUTD__AMQP__URL", amqp_url).await;
+    let (proxy, mut world) = behind_proxy(&amqp_addr(), "TIMEOUTD__AMQP__URL", amqp_url).await;
     world.overrides.extend(
         [
             ("TIMEOUTD__POSTGRES__STATEMENT_TIMEOUT", "2s"),

@@ -1,5 +1,7 @@
-//! Integration tests against the real RabbitMQ (127.0.0.1:5672) and Postgres
-//! (127.0.0.1:5432) of the machine. One binary, one module per concern.
+//! Integration tests against a real RabbitMQ and Postgres: the machine's own
+//! (127.0.0.1:5672, 127.0.0.1:5432) unless `TIMEOUTD_TEST_AMQP_URL`,
+//! `TIMEOUTD_TEST_PG_URL` and `TIMEOUTD_TEST_RABBITMQCTL` name others. One binary, one
+//! module per concern.
 
 mod adversarial;
 mod bad_input;

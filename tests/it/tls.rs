@@ -11,7 +11,7 @@ use std::time::Duration;
 use timeoutd::client::Expectation;
 use timeoutd::election::Role;
 
-use crate::common::{Inbox, PG_URL, Proc, World, wait_for, wait_for_async};
+use crate::common::{Inbox, Proc, World, pg_url, wait_for, wait_for_async};
 use crate::http::get;
 
 const TLS_DIR: &str = "/var/tmp/timeoutd-tls";
@@ -199,7 +199,7 @@ async fn postgres_verify_full_needs_the_ca() {
         .expect_err("require with a root certificate verifies the chain");
     assert!(err.contains("certificate"), "{err}");
     // The plain listener of the other tests is untouched.
-    let plain = sqlx::PgPool::connect(&format!("{PG_URL}?sslmode=disable"))
+    let plain = sqlx::PgPool::connect(&format!("{}?sslmode=disable", pg_url()))
         .await
         .expect("plain connection still accepted");
     plain.close().await;
