@@ -1,9 +1,13 @@
-# syntax=docker/dockerfile:1
+# The base images are arguments so that CI, which cannot reach a registry, can build
+# with stand-ins of its own (.ci/images); users get the official ones. No `# syntax=`
+# line: it makes BuildKit fetch a frontend image, which fails offline.
+ARG RUST_IMAGE=rust:1.95-bookworm
+ARG RUNTIME_IMAGE=debian:bookworm-slim
 
 # ---------------------------------------------------------------------------
 # Builder
 # ---------------------------------------------------------------------------
-FROM rust:1.95-bookworm AS builder
+FROM ${RUST_IMAGE} AS builder
 WORKDIR /build
 
 # 1. Dependencies only: build a dummy crate with the real manifest and lock
@@ -31,7 +35,7 @@ RUN touch src/main.rs src/lib.rs build.rs examples/consume.rs \
 # ---------------------------------------------------------------------------
 # Runtime
 # ---------------------------------------------------------------------------
-FROM debian:bookworm-slim AS runtime
+FROM ${RUNTIME_IMAGE} AS runtime
 
 # rustls is used for TLS (no OpenSSL); ca-certificates for the native roots,
 # curl for the compose healthcheck (GET /healthz).
