@@ -4,25 +4,26 @@
 
 mod publish;
 
-pub use publish::{Budget, Fate, Outgoing, PublishError, Published};
+pub use publish::{Budget, Fate, PublishError, Published, ToPublish, lapin_properties};
 
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
     QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::tcp::OwnedTLSConfig;
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
 use tokio::time::timeout;
 
-use crate::announcement::{Announcement, MESSAGE_TYPE};
 use crate::config;
+use crate::wire::announcement::{Announcement, MESSAGE_TYPE, Rejected};
 
 /// Heartbeat asked of the broker when the URL does not say: a dead peer is noticed in
 /// about two intervals instead of the broker default of a minute.
@@ -84,7 +85,7 @@ impl Bus {
         settings: &config::Amqp,
         group: &str,
         name: &str,
-    ) -> Result<(Self, Consumer), BusError> {
+    ) -> Result<(Self, Announcements), BusError> {
         let limit = settings.connect_timeout;
         let conn = match timeout(limit, open(settings, name)).await {
             Ok(conn) => conn?,
@@ -105,7 +106,11 @@ impl Bus {
             settings: settings.clone(),
             group: group.to_owned(),
         };
-        Ok((bus, consumer))
+        let announcements = Announcements {
+            consumer,
+            group: group.to_owned(),
+        };
+        Ok((bus, announcements))
     }
 
     /// Connected and the announcement channel usable.
@@ -281,9 +286,22 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A header table with one long string, for `x-timeoutd-node`.
-pub fn header(key: &str, value: &str) -> FieldTable {
-    let mut t = FieldTable::default();
-    t.insert(key.into(), AMQPValue::LongString(LongString::from(value)));
-    t
+/// The group's announcements as they arrive, decoded: nothing outside the bus sees
+/// lapin's deliveries.
+pub struct Announcements {
+    consumer: Consumer,
+    group: String,
+}
+
+impl Announcements {
+    /// The next announcement, or why it was dropped (`Err` inside); `None` when the
+    /// consumer ended (cancelled by the broker), `Some(Err)` when the connection failed.
+    pub async fn next(&mut self) -> Option<Result<Result<Announcement, Rejected>, BusError>> {
+        let delivery = match self.consumer.next().await? {
+            Ok(d) => d,
+            Err(e) => return Some(Err(e.into())),
+        };
+        let kind = delivery.properties.kind().as_ref().map(|k| k.as_str());
+        Some(Ok(Announcement::decode(kind, &delivery.data, &self.group)))
+    }
 }

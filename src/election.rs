@@ -79,6 +79,37 @@ pub enum Lease {
     Stale,
 }
 
+/// A snapshot of the lease, for tasks that must not wait for the election's owner: the
+/// role, and until when the view it rests on is fresh (`member_ttl` after the last tick:
+/// past that the driver has not ticked — a paused process, a stuck task — and nothing it
+/// believes can be trusted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseView {
+    pub role: Role,
+    pub fresh_until: Instant,
+    pub generation: u64,
+}
+
+impl LeaseView {
+    /// A view that holds nothing (before the election has run, or after it stopped).
+    pub fn none(now: Instant) -> Self {
+        Self {
+            role: Role::Passive,
+            fresh_until: now,
+            generation: 0,
+        }
+    }
+
+    /// May the node act at `now`? The one rule for `Held`: active with a fresh view.
+    pub fn check(&self, now: Instant) -> Lease {
+        match self.role {
+            _ if now > self.fresh_until => Lease::Stale,
+            Role::Active => Lease::Held,
+            Role::Passive => Lease::Demoted,
+        }
+    }
+}
+
 /// What a received announcement tells the election (the wire format lives in
 /// `announcement`; this is only the part the rules need).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -222,6 +253,8 @@ pub struct Election {
     phase: Phase,
     role: Role,
     last_tick: Instant,
+    /// Counts role changes: a lease view of another generation is another lease.
+    generation: u64,
     /// When the current view began (start, or the last restart after a pause): checks
     /// failing since before it count from here.
     view_since: Instant,
@@ -244,6 +277,7 @@ impl Election {
             phase: Phase::Settled,
             role: Role::Passive,
             last_tick: now,
+            generation: 0,
             view_since: now,
             last_heard: now,
             next_announce: now,
@@ -394,9 +428,16 @@ impl Election {
         if self.detect_pause(now) {
             return Lease::Stale;
         }
-        match self.role {
-            Role::Active => Lease::Held,
-            Role::Passive => Lease::Demoted,
+        self.lease_view().check(now)
+    }
+
+    /// What another task needs to decide whether this node may act, without asking the
+    /// election: the driver publishes it after every input (see [`LeaseView`]).
+    pub fn lease_view(&self) -> LeaseView {
+        LeaseView {
+            role: self.role,
+            fresh_until: self.last_tick + self.timing.member_ttl,
+            generation: self.generation,
         }
     }
 
@@ -564,6 +605,7 @@ impl Election {
             return;
         }
         self.role = role;
+        self.generation += 1;
         let members = self.members.keys().copied().collect();
         self.outputs.push_back(Output::RoleChanged {
             role,

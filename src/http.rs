@@ -12,15 +12,30 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::daemon::Probe;
+use crate::status::{Probe, Snapshot};
 
-/// Bind now (so a bad address fails the start, and port 0 is resolved), serve in the
-/// background until `stop`.
-pub async fn serve(
+/// The bound server, run (and supervised) by the daemon.
+pub(crate) struct Server {
+    listener: TcpListener,
+    app: Router,
+    stop: CancellationToken,
+}
+
+impl Server {
+    /// Serve until `stop`.
+    pub(crate) async fn run(self) -> std::io::Result<()> {
+        axum::serve(self.listener, self.app)
+            .with_graceful_shutdown(self.stop.cancelled_owned())
+            .await
+    }
+}
+
+/// Bind now (so a bad address fails the start, and port 0 is resolved).
+pub(crate) async fn bind(
     addr: SocketAddr,
     probe: Arc<Probe>,
     stop: CancellationToken,
-) -> std::io::Result<SocketAddr> {
+) -> std::io::Result<(SocketAddr, Server)> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let app = Router::new()
@@ -29,13 +44,12 @@ pub async fn serve(
         .route("/status", get(status))
         .route("/metrics", get(metrics))
         .with_state(probe);
-    tokio::spawn(async move {
-        let server = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
-        if let Err(e) = server.await {
-            tracing::error!(error = %e, "http server failed");
-        }
-    });
-    Ok(bound)
+    let server = Server {
+        listener,
+        app,
+        stop,
+    };
+    Ok((bound, server))
 }
 
 async fn healthz(State(probe): State<Arc<Probe>>) -> Response {
@@ -52,7 +66,7 @@ async fn readyz(State(probe): State<Arc<Probe>>) -> Response {
     }
 }
 
-async fn status(State(probe): State<Arc<Probe>>) -> Json<crate::daemon::Snapshot> {
+async fn status(State(probe): State<Arc<Probe>>) -> Json<Snapshot> {
     Json(probe.snapshot())
 }
 

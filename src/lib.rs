@@ -1,8 +1,10 @@
 //! timeoutd: a sidecar that fires `TimeOut` messages for a process manager's overdue
 //! expectations. See README.md for the contract and the design notes.
+//!
+//! The library surface is what the binary, the benchmark and the tests use: the client
+//! API, configuration, starting a daemon, the pure election, the wire formats, the store's
+//! statements. Everything else is crate-private.
 
-pub mod announcement;
-pub mod backoff;
 pub mod bus;
 pub mod cli;
 pub mod client;
@@ -10,10 +12,16 @@ pub mod commands;
 pub mod config;
 pub mod daemon;
 pub mod election;
-pub mod health;
-pub mod http;
-pub mod metrics;
-pub mod scan;
-pub mod scheduler;
+pub mod status;
 pub mod store;
-pub mod telemetry;
+pub mod wire;
+
+mod backoff;
+mod fire;
+mod health;
+mod http;
+mod metrics;
+mod node;
+mod scheduler;
+mod shutdown;
+mod telemetry;

@@ -8,32 +8,56 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::bus::Bus;
-use crate::daemon::{ScanStatus, Shared, sleep_or_stop};
-use crate::election::Role;
-use crate::health::Check;
-use crate::scan::{BatchOutcome, ScanError, Scanner};
+use crate::config::Settings;
+use crate::election::{Lease, LeaseView, Role};
+use crate::fire::{BatchOutcome, ScanError, Scanner};
+use crate::health::{Check, Health};
+use crate::shutdown::sleep_or_stop;
+use crate::status::{Probe, ScanStatus};
+use crate::store::Store;
 
 /// How often the per-batch activity is summarised at info level.
 const SUMMARY_EVERY: Duration = Duration::from_secs(1);
 
+/// What the scan task uses: the store, the bus and the lease view the node task
+/// publishes, the status and health it reports to.
+pub(crate) struct Firing {
+    pub(crate) settings: Arc<Settings>,
+    pub(crate) node_id: uuid::Uuid,
+    pub(crate) store: Store,
+    pub(crate) bus: watch::Receiver<Option<Arc<Bus>>>,
+    pub(crate) lease: watch::Receiver<LeaseView>,
+    pub(crate) probe: Arc<Probe>,
+    pub(crate) health: Arc<Health>,
+    pub(crate) stop: CancellationToken,
+}
+
+impl Firing {
+    /// The lease right now, from the view the node task published: no lock, no wait.
+    fn lease(&self) -> Lease {
+        self.lease.borrow().check(Instant::now())
+    }
+}
+
 /// The scan loop of one node (runs for the daemon's whole life; idle while passive).
-pub(crate) async fn scan_loop(shared: Arc<Shared>) {
+pub(crate) async fn scan_loop(shared: Arc<Firing>) {
     let settings = &shared.settings;
     let scanner = Scanner::new(shared.node_id, settings, shared.health.clone());
     let wake = Arc::new(Notify::new());
     let listener = tokio::spawn(listen(shared.clone(), wake.clone()));
-    let mut role = shared.role.subscribe();
-    let mut bus = shared.bus.subscribe();
+    let mut lease = shared.lease.clone();
+    let mut bus = shared.bus.clone();
     let mut backoff = health_backoff(settings);
     let mut summary = Summary::new();
     let mut checked = Instant::now();
     loop {
         shared.probe.beat(&shared.probe.scan_beat);
-        if *role.borrow_and_update() != Role::Active {
+        if lease.borrow_and_update().role != Role::Active {
             if checked.elapsed() >= settings.election.announce_interval {
                 check_while_passive(&shared, &scanner).await;
                 checked = Instant::now();
@@ -41,7 +65,7 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
             // Wake at least every tick so the liveness heartbeat keeps moving.
             tokio::select! {
                 _ = shared.stop.cancelled() => break,
-                _ = role.changed() => {},
+                _ = lease.changed() => {},
                 _ = tokio::time::sleep(settings.election.tick) => {},
             }
             continue;
@@ -63,7 +87,7 @@ pub(crate) async fn scan_loop(shared: Arc<Shared>) {
                     Err(e) => {
                         let delay = backoff.next_delay();
                         tracing::error!(error = %e, retry_in = ?delay, "scan failed");
-                        shared.update_status(|s| s.database_ok = Some(false));
+                        shared.probe.update(|s| s.database_ok = Some(false));
                         delay
                     }
                 }
@@ -100,13 +124,15 @@ async fn settle_leftovers(scanner: &Scanner, store: &crate::store::Store) {
 /// A passive node must know whether it could fire if elected: a withdrawn one rejoins
 /// only when Postgres answers again (so that nobody flaps while the database is down for
 /// everyone) and, if publishing was what failed, when it can get a channel again. Rows fired by a batch that then failed to commit are deleted now too.
-async fn check_while_passive(shared: &Shared, scanner: &Scanner) {
+async fn check_while_passive(shared: &Firing, scanner: &Scanner) {
     recheck_publish(shared).await;
     // The due-row index, not just `SELECT 1`: a table locked by someone else (a
     // migration, an ALTER) fails the scan, and must fail this check too.
     let pinged = next_due(shared).await;
     shared.health.record(Check::Postgres, &pinged);
-    shared.update_status(|s| s.database_ok = Some(pinged.is_ok()));
+    shared
+        .probe
+        .update(|s| s.database_ok = Some(pinged.is_ok()));
     if pinged.is_ok() {
         settle_leftovers(scanner, &shared.store).await;
     }
@@ -114,7 +140,7 @@ async fn check_while_passive(shared: &Shared, scanner: &Scanner) {
 
 /// The publish check fails with a batch's trouble and passes with a batch that had
 /// none; with nothing to fire, it is asked directly: can we get a channel?
-async fn recheck_publish(shared: &Shared) {
+async fn recheck_publish(shared: &Firing) {
     let bus = shared.bus.borrow().clone();
     if let Some(bus) = bus
         && shared.health.failing().contains(&Check::Publish.name())
@@ -139,7 +165,7 @@ fn health_backoff(s: &crate::config::Settings) -> Backoff {
 /// past is usually a row that came due while the last batch ran: scan again at once. But
 /// if the last scan found nothing to lock, such rows are held by another scan: wait a
 /// tick rather than spin.
-async fn next_wake(shared: &Shared, scanned_some: bool) -> Duration {
+async fn next_wake(shared: &Firing, scanned_some: bool) -> Duration {
     let tick = shared.settings.election.tick;
     match next_due(shared).await {
         // Rounded up by a millisecond so the database's now() has passed it.
@@ -150,7 +176,7 @@ async fn next_wake(shared: &Shared, scanned_some: bool) -> Duration {
 }
 
 /// Seconds to the earliest deadline (see `Store::next_due_in`), bounded on the client.
-async fn next_due(shared: &Shared) -> Result<Option<f64>, String> {
+async fn next_due(shared: &Firing) -> Result<Option<f64>, String> {
     let limit = shared.settings.postgres.statement_timeout;
     let _under_way = shared.health.step(Check::Postgres);
     match tokio::time::timeout(limit, shared.store.next_due_in()).await {
@@ -160,7 +186,7 @@ async fn next_due(shared: &Shared) -> Result<Option<f64>, String> {
 }
 
 /// Forward the trigger's notifications to the scan loop; reconnect with backoff.
-async fn listen(shared: Arc<Shared>, wake: Arc<Notify>) {
+async fn listen(shared: Arc<Firing>, wake: Arc<Notify>) {
     let s = &shared.settings;
     let mut backoff = health_backoff(s);
     loop {
@@ -202,7 +228,7 @@ async fn listen(shared: Arc<Shared>, wake: Arc<Notify>) {
 /// back short, the lease is lost, or we are stopping; returns how many rows were locked.
 /// A batch already started is never interrupted: it commits or rolls back as a whole.
 async fn drain(
-    shared: &Shared,
+    shared: &Firing,
     scanner: &Scanner,
     bus: &Bus,
     summary: &mut Summary,
@@ -228,8 +254,8 @@ async fn drain(
     }
 }
 
-fn record(shared: &Shared, outcome: &BatchOutcome, summary: &mut Summary) {
-    shared.update_status(|s| s.database_ok = Some(true));
+fn record(shared: &Firing, outcome: &BatchOutcome, summary: &mut Summary) {
+    shared.probe.update(|s| s.database_ok = Some(true));
     if outcome.lease_lost {
         tracing::warn!(locked = outcome.locked, "lease lost: batch rolled back");
         return;
@@ -258,7 +284,7 @@ fn record(shared: &Shared, outcome: &BatchOutcome, summary: &mut Summary) {
         "fired batch"
     );
     summary.add(outcome);
-    shared.update_status(|s| {
+    shared.probe.update(|s| {
         s.fired_total += outcome.fired as u64;
         s.last_scan = Some(ScanStatus {
             at: Utc::now(),

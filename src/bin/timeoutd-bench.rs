@@ -47,8 +47,8 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection};
 use timeoutd::client::{self, Expectation};
 use timeoutd::config::Settings;
-use timeoutd::scan::timeout_message;
 use timeoutd::store::{DueRow, Store};
+use timeoutd::wire::timeout::timeout as timeout_message;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use uuid::Uuid;
@@ -587,7 +587,7 @@ async fn baseline_publish(env: &Env, n: usize) -> Result<PublishBaseline> {
 }
 
 /// The same messages the daemon would send for these rows (same body, properties).
-fn baseline_messages(queue: &str, n: usize) -> Result<Vec<(Uuid, timeoutd::bus::Outgoing)>> {
+fn baseline_messages(queue: &str, n: usize) -> Result<Vec<(Uuid, timeoutd::wire::Message)>> {
     let node = Uuid::new_v4();
     let now = Utc::now().trunc_subsecs(6);
     (0..n)
@@ -613,7 +613,7 @@ fn baseline_messages(queue: &str, n: usize) -> Result<Vec<(Uuid, timeoutd::bus::
 /// Publish one window; returns how many were not confirmed (nacked, returned, error).
 async fn publish_window(
     channel: &lapin::Channel,
-    window: &[(Uuid, timeoutd::bus::Outgoing)],
+    window: &[(Uuid, timeoutd::wire::Message)],
 ) -> Result<usize> {
     let mut confirms = Vec::with_capacity(window.len());
     for (_, m) in window {
@@ -627,7 +627,7 @@ async fn publish_window(
                 m.routing_key.as_str().into(),
                 options,
                 &m.body,
-                m.properties.clone(),
+                timeoutd::bus::lapin_properties(&m.properties)?,
             )
             .await?;
         confirms.push(confirm);

@@ -32,27 +32,90 @@ use futures_util::StreamExt;
 use futures_util::future::join_all;
 use lapin::options::BasicPublishOptions;
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
-use lapin::types::ShortString;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, PublisherConfirm};
 use tokio::time::timeout_at;
 use tokio_util::sync::CancellationToken;
 
 use super::{Bus, BusError};
+use crate::wire::{Message, Properties};
 
 /// Pilot chains and shared groups in flight at once (each holds a channel).
 const JOBS_PARALLEL: usize = 8;
 
 /// One message to publish with a confirm.
 #[derive(Debug, Clone)]
-pub struct Outgoing {
-    /// Its `message_id`: how a returned message is matched to it.
-    pub message_id: String,
-    pub exchange: String,
-    pub routing_key: String,
-    pub properties: BasicProperties,
-    pub body: Vec<u8>,
+pub struct ToPublish {
+    pub message: Message,
     /// Publish it on a channel of its own (its last attempt ended in a channel close).
     pub alone: bool,
+}
+
+/// A message as lapin takes it.
+struct Outgoing<'a> {
+    /// Its `message_id`: how a returned message is matched to it.
+    message_id: String,
+    exchange: &'a str,
+    routing_key: &'a str,
+    properties: BasicProperties,
+    body: &'a [u8],
+    alone: bool,
+}
+
+impl<'a> Outgoing<'a> {
+    /// The message in lapin's types, and why it cannot be published, if it cannot.
+    fn of(m: &'a ToPublish) -> (Self, Option<PublishError>) {
+        let message = &m.message;
+        let (properties, invalid) = match lapin_properties(&message.properties) {
+            Ok(p) => (p, None),
+            Err(e) => (BasicProperties::default(), Some(e)),
+        };
+        let outgoing = Self {
+            message_id: message.properties.message_id.clone().unwrap_or_default(),
+            exchange: &message.exchange,
+            routing_key: &message.routing_key,
+            properties,
+            body: &message.body,
+            alone: m.alone,
+        };
+        (outgoing, invalid)
+    }
+}
+
+/// The wire format's properties as lapin's; a value too long for its AMQP type is the
+/// message's own failure.
+pub fn lapin_properties(p: &Properties) -> Result<BasicProperties, PublishError> {
+    let short_prop = |v: &Option<String>, what| -> Result<Option<ShortString>, PublishError> {
+        v.as_deref().map(|v| short(v, what)).transpose()
+    };
+    let mut props = BasicProperties::default();
+    if let Some(v) = short_prop(&p.kind, "type")? {
+        props = props.with_type(v);
+    }
+    if let Some(v) = short_prop(&p.message_id, "message_id")? {
+        props = props.with_message_id(v);
+    }
+    if let Some(v) = short_prop(&p.correlation_id, "correlation_id")? {
+        props = props.with_correlation_id(v);
+    }
+    if let Some(v) = short_prop(&p.content_type, "content_type")? {
+        props = props.with_content_type(v);
+    }
+    if let Some(mode) = p.delivery_mode {
+        props = props.with_delivery_mode(mode);
+    }
+    if let Some(at) = p.timestamp {
+        props = props.with_timestamp(at);
+    }
+    if !p.headers.is_empty() {
+        let mut table = FieldTable::default();
+        for (key, value) in &p.headers {
+            let value = AMQPValue::LongString(value.as_str().into());
+            table.insert(short(key, "header name")?, value);
+        }
+        props = props.with_headers(table);
+    }
+    Ok(props)
 }
 
 /// Why one message was not confirmed.
@@ -172,11 +235,15 @@ impl Bus {
     /// Publish `batch` (mandatory, confirm mode) within `budget`; one fate per message.
     /// Pilots and the trusted exchanges' groups go out at once, side by side; the rest of
     /// an exchange whose pilot was accepted follows in a second wave.
-    pub async fn publish_batch(&self, batch: &[Outgoing], budget: &Budget) -> Published {
+    pub async fn publish_batch(&self, batch: &[ToPublish], budget: &Budget) -> Published {
+        let (batch, invalid): (Vec<Outgoing>, Vec<Option<PublishError>>) =
+            batch.iter().map(Outgoing::of).unzip();
         let mut fates: Vec<Option<Fate>> = batch
             .iter()
-            .map(|m| self.precheck(m).err().map(Fate::Failed))
+            .zip(invalid)
+            .map(|(m, invalid)| invalid.or(self.precheck(m).err()).map(Fate::Failed))
             .collect();
+        let batch = &batch[..];
         let mut trouble = None;
         let mut jobs = self.plan(batch, &fates);
         while !jobs.is_empty() {
@@ -203,7 +270,7 @@ impl Bus {
         }
     }
 
-    async fn run(&self, batch: &[Outgoing], job: Job, budget: &Budget) -> Decided {
+    async fn run(&self, batch: &[Outgoing<'_>], job: Job, budget: &Budget) -> Decided {
         match job {
             Job::Pilot(chain) => self.pilot_chain(batch, chain, budget).await,
             Job::Shared(idx) => self.publish_shared(batch, &idx, budget).await,
@@ -211,9 +278,9 @@ impl Bus {
     }
 
     /// Refuse what the broker would refuse by closing the channel, where we can tell.
-    fn precheck(&self, m: &Outgoing) -> Result<(), PublishError> {
-        short(&m.exchange, "exchange name")?;
-        short(&m.routing_key, "routing key")?;
+    fn precheck(&self, m: &Outgoing<'_>) -> Result<(), PublishError> {
+        short(m.exchange, "exchange name")?;
+        short(m.routing_key, "routing key")?;
         let max = self.settings.max_message_size.as_u64();
         let max = usize::try_from(max).unwrap_or(usize::MAX);
         if m.body.len() > max {
@@ -228,7 +295,7 @@ impl Bus {
     /// The first wave: a pilot chain per untrusted exchange and per message that must go
     /// alone, and a shared channel per trusted exchange (a refusal that closes a channel
     /// then touches no other exchange's messages). Oldest due first within each.
-    fn plan(&self, batch: &[Outgoing], fates: &[Option<Fate>]) -> Vec<Job> {
+    fn plan(&self, batch: &[Outgoing<'_>], fates: &[Option<Fate>]) -> Vec<Job> {
         let trusted = self.trusted_exchanges();
         let mut untrusted: HashMap<&str, Vec<usize>> = HashMap::new();
         let mut shared: HashMap<&str, Vec<usize>> = HashMap::new();
@@ -239,10 +306,10 @@ impl Bus {
             }
             if m.alone {
                 jobs.push(Job::Pilot(vec![i]));
-            } else if trusted.contains(&m.exchange) {
-                shared.entry(&m.exchange).or_default().push(i);
+            } else if trusted.contains(m.exchange) {
+                shared.entry(m.exchange).or_default().push(i);
             } else {
-                untrusted.entry(&m.exchange).or_default().push(i);
+                untrusted.entry(m.exchange).or_default().push(i);
             }
         }
         jobs.extend(untrusted.into_values().map(Job::Pilot));
@@ -252,7 +319,12 @@ impl Bus {
 
     /// Send the chain's messages alone, one after the other, until the exchange accepts
     /// one; the rest then go to the batch channel.
-    async fn pilot_chain(&self, batch: &[Outgoing], chain: Vec<usize>, budget: &Budget) -> Decided {
+    async fn pilot_chain(
+        &self,
+        batch: &[Outgoing<'_>],
+        chain: Vec<usize>,
+        budget: &Budget,
+    ) -> Decided {
         let mut d = Decided::default();
         let mut rest = chain.into_iter();
         while let Some(i) = rest.next() {
@@ -262,7 +334,7 @@ impl Bus {
             }
             match self.publish_alone(&batch[i], budget).await {
                 Alone::Delivered(fate) => {
-                    self.trust(&batch[i].exchange);
+                    self.trust(batch[i].exchange);
                     d.fates.push((i, fate));
                     d.promoted.extend(rest);
                     break;
@@ -302,7 +374,7 @@ impl Bus {
         d
     }
 
-    async fn publish_alone(&self, m: &Outgoing, budget: &Budget) -> Alone {
+    async fn publish_alone(&self, m: &Outgoing<'_>, budget: &Budget) -> Alone {
         let channel = match self.channel_within(budget).await {
             Ok(c) => c,
             Err(e) => return Alone::NoChannel(e),
@@ -328,13 +400,13 @@ impl Bus {
     }
 
     /// Classify the error that closed a pilot's channel.
-    fn closed_under(&self, m: &Outgoing, e: &lapin::Error) -> Alone {
+    fn closed_under(&self, m: &Outgoing<'_>, e: &lapin::Error) -> Alone {
         if !self.is_healthy() {
             return Alone::Lost(e.to_string(), BusError::ConnectionLost);
         }
         match soft_error(e) {
             Some(AMQPSoftError::NOTFOUND) => {
-                Alone::ExchangeRefused(PublishError::NoExchange(m.exchange.clone()))
+                Alone::ExchangeRefused(PublishError::NoExchange(m.exchange.to_owned()))
             }
             Some(AMQPSoftError::ACCESSREFUSED) => {
                 Alone::ExchangeRefused(PublishError::Refused(e.to_string()))
@@ -344,7 +416,12 @@ impl Bus {
     }
 
     /// One trusted exchange's messages, pipelined on a channel of their own.
-    async fn publish_shared(&self, batch: &[Outgoing], idx: &[usize], budget: &Budget) -> Decided {
+    async fn publish_shared(
+        &self,
+        batch: &[Outgoing<'_>],
+        idx: &[usize],
+        budget: &Budget,
+    ) -> Decided {
         let mut d = Decided::default();
         if !budget.may_send() {
             d.fates.extend(idx.iter().map(|i| (*i, Fate::Unsent)));
@@ -393,7 +470,7 @@ impl Bus {
     /// channel can serve another batch: nothing of this one can still arrive on it).
     fn judge_shared(
         &self,
-        batch: &[Outgoing],
+        batch: &[Outgoing<'_>],
         waited: Vec<(usize, Result<Answer, Waited>)>,
         d: &mut Decided,
     ) -> bool {
@@ -417,7 +494,7 @@ impl Bus {
                 Err(Waited::Closed(e)) => {
                     clean = false;
                     // The exchange may be the reason: prove it again before trusting it.
-                    self.distrust(&m.exchange);
+                    self.distrust(m.exchange);
                     match fate_of(m, None, &returned) {
                         Fate::Unsent => Fate::Unknown(e.to_string()),
                         known => known,
@@ -448,12 +525,12 @@ impl Bus {
     async fn send(
         &self,
         channel: &Channel,
-        m: &Outgoing,
+        m: &Outgoing<'_>,
         budget: &Budget,
     ) -> Result<PublisherConfirm, Waited> {
         // Names were checked by `precheck`.
-        let exchange = ShortString::try_new(m.exchange.as_str()).unwrap_or_default();
-        let routing_key = ShortString::try_new(m.routing_key.as_str()).unwrap_or_default();
+        let exchange = ShortString::try_new(m.exchange).unwrap_or_default();
+        let routing_key = ShortString::try_new(m.routing_key).unwrap_or_default();
         let publish = channel.basic_publish(
             exchange,
             routing_key,
@@ -461,7 +538,7 @@ impl Bus {
                 mandatory: true,
                 immediate: false,
             },
-            &m.body,
+            m.body,
             m.properties.clone(),
         );
         match timeout_at(budget.confirm_until.into(), publish).await {
@@ -504,7 +581,7 @@ enum Waited {
 
 /// The fate of a message from facts about it alone: returned (by its message_id), then
 /// the broker's ack or nack; `None` when no confirm came.
-fn fate_of(m: &Outgoing, acked: Option<bool>, returned: &HashMap<String, String>) -> Fate {
+fn fate_of(m: &Outgoing<'_>, acked: Option<bool>, returned: &HashMap<String, String>) -> Fate {
     if let Some(why) = returned.get(&m.message_id) {
         return Fate::Failed(PublishError::Returned(why.clone()));
     }

@@ -9,14 +9,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use chrono::Utc;
-use futures_util::StreamExt;
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::announcement::Announcement;
 use crate::bus::Bus;
 use crate::cli::MembersArgs;
 use crate::config::Settings;
+use crate::wire::announcement::Announcement;
 
 #[derive(Debug, Clone, Serialize)]
 struct Seen {
@@ -33,7 +32,7 @@ struct Seen {
 
 pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<ExitCode> {
     let group = &settings.election.group;
-    let (bus, mut consumer) = Bus::connect(&settings.amqp, group, "timeoutd members")
+    let (bus, mut announcements) = Bus::connect(&settings.amqp, group, "timeoutd members")
         .await
         .context("connecting to RabbitMQ")?;
     let me = Uuid::new_v4();
@@ -60,8 +59,10 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
                 if args.once { break }
                 next_print = Instant::now() + refresh;
             }
-            d = consumer.next() => match d {
-                Some(Ok(d)) => record(&mut seen, &d, group, me),
+            heard = announcements.next() => match heard {
+                Some(Ok(Ok(a))) => record(&mut seen, a, me),
+                // Junk on the group's routing key: the members command ignores it.
+                Some(Ok(Err(_))) => {}
                 Some(Err(e)) => anyhow::bail!("consumer failed: {e}"),
                 None => anyhow::bail!("consumer cancelled"),
             },
@@ -71,16 +72,7 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
     Ok(ExitCode::SUCCESS)
 }
 
-fn record(
-    seen: &mut BTreeMap<Uuid, (Instant, Announcement, i64)>,
-    d: &lapin::message::Delivery,
-    group: &str,
-    me: Uuid,
-) {
-    let kind = d.properties.kind().as_ref().map(|k| k.as_str());
-    let Ok(a) = Announcement::decode(kind, &d.data, group) else {
-        return;
-    };
+fn record(seen: &mut BTreeMap<Uuid, (Instant, Announcement, i64)>, a: Announcement, me: Uuid) {
     if a.node_id == me {
         return;
     }

@@ -18,6 +18,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
     Ok(match exit {
         Exit::Stopped => ExitCode::SUCCESS,
         Exit::Lagging => ExitCode::from(EXIT_LAGGING),
+        Exit::Failed => ExitCode::FAILURE,
     })
 }
 

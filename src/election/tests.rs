@@ -901,7 +901,8 @@ fn a_leaving_node_asked_for_its_lease_much_later_does_not_restart() {
     let t = t0 + Duration::from_millis(1100);
     e.leave(t);
     drain(&mut e);
-    assert_eq!(e.check_lease(t + Duration::from_secs(10)), Lease::Demoted);
+    // Not held (its view is old), and no restart: nothing queued.
+    assert_eq!(e.check_lease(t + Duration::from_secs(10)), Lease::Stale);
     assert!(drain(&mut e).is_empty());
 }
 
@@ -1083,4 +1084,26 @@ fn a_pause_with_a_check_under_way_is_a_pause_not_a_failing_check() {
         !e.is_candidate(),
         "withdrawn once failing past member_ttl since the resume"
     );
+}
+
+#[test]
+fn the_lease_view_holds_only_while_active_and_fresh() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(1), t0);
+    let view = e.lease_view();
+    let ticked = t0 + Duration::from_secs(1);
+    assert_eq!(view.role, Role::Active);
+    assert_eq!(view.check(ticked + Duration::from_secs(3)), Lease::Held);
+    assert_eq!(
+        view.check(ticked + Duration::from_millis(3001)),
+        Lease::Stale
+    );
+    e.leave(ticked + MS);
+    let after = e.lease_view();
+    assert_eq!(after.check(ticked + MS), Lease::Demoted);
+    assert!(
+        after.generation > view.generation,
+        "a role change is a new generation"
+    );
+    assert_eq!(LeaseView::none(t0).check(t0 + MS), Lease::Stale);
 }

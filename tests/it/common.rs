@@ -14,10 +14,10 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use sqlx::PgPool;
-use timeoutd::announcement::Announcement;
 use timeoutd::client::{self, Expectation};
 use timeoutd::config::Settings;
 use timeoutd::daemon::{self, Handle};
+use timeoutd::wire::announcement::Announcement;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;

@@ -1,4 +1,4 @@
-//! One transactional scan batch: lock due rows → publish their TimeOuts → one fate per
+//! Firing: one transactional batch: lock due rows → publish their TimeOuts → one fate per
 //! row → delete the confirmed rows, charge the failed ones → commit.
 //!
 //! The transaction is what makes a row fire once: its rows stay locked (and invisible to
@@ -14,23 +14,16 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, SecondsFormat, Utc};
-use lapin::BasicProperties;
-use lapin::types::ShortString;
-use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::backoff;
-use crate::bus::{self, Budget, Bus, BusError, Fate, Outgoing, PublishError};
+use crate::bus::{Budget, Bus, BusError, Fate, PublishError, ToPublish};
 use crate::election::Lease;
 use crate::health::{Check, Health};
 use crate::store::{DueRow, Failure, Fired, Settlement, Store, StoreError};
+use crate::wire::{self, Message};
 
-/// AMQP `type` of every TimeOut.
-pub const MESSAGE_TYPE: &str = "TimeOut";
-/// Header naming the node that fired.
-pub const NODE_HEADER: &str = "x-timeoutd-node";
 /// Rows remembered per kind of memory (suspects, rows to skip, rows to delete later):
 /// beyond this the oldest are forgotten, which costs at most a second TimeOut.
 const MEMORY: usize = 100_000;
@@ -57,16 +50,6 @@ pub enum ScanError {
         #[source]
         source: StoreError,
     },
-}
-
-/// The body of a TimeOut message, without `payload` (see [`timeout_body`]).
-#[derive(Debug, Serialize)]
-struct TimeOutHead<'a> {
-    expectation_id: Uuid,
-    process_id: &'a str,
-    message_type: &'a str,
-    timeout_at: String,
-    fired_at: String,
 }
 
 /// What one batch did.
@@ -317,11 +300,11 @@ impl Scanner {
         {
             let memory = self.memory();
             for row in rows {
-                match self.timeout_message(row) {
-                    Ok(mut m) => {
-                        m.alone = memory.suspects.contains_key(&row.id);
+                match self.timeout(row) {
+                    Ok(message) => {
+                        let alone = memory.suspects.contains_key(&row.id);
                         sendable.push(row);
-                        messages.push(m);
+                        messages.push(ToPublish { message, alone });
                     }
                     Err(e) => judged.fail(self.failure(row, &e)),
                 }
@@ -404,14 +387,14 @@ impl Scanner {
     }
 
     /// The contract's TimeOut for one row.
-    pub fn timeout_message(&self, row: &DueRow) -> Result<Outgoing, PublishError> {
+    fn timeout(&self, row: &DueRow) -> Result<Message, PublishError> {
         if let Some(size) = row.payload_withheld() {
             return Err(PublishError::TooLarge {
                 size,
                 max: self.max_message_size,
             });
         }
-        timeout_message(row, self.node_id)
+        wire::timeout::timeout(row, self.node_id).map_err(|e| PublishError::Invalid(e.0))
     }
 }
 
@@ -460,52 +443,4 @@ fn lateness(rows: &[DueRow], fired: &[Uuid]) -> Vec<Duration> {
         .filter(|r| fired.contains(&r.id))
         .map(|r| (r.fired_at - r.timeout_at).to_std().unwrap_or_default())
         .collect()
-}
-
-fn rfc3339(t: DateTime<Utc>) -> String {
-    t.to_rfc3339_opts(SecondsFormat::Micros, true)
-}
-
-/// The contract's TimeOut for one row (the payload, if any, is embedded as it is).
-pub fn timeout_message(row: &DueRow, node: Uuid) -> Result<Outgoing, PublishError> {
-    let correlation = ShortString::try_new(row.process_id.as_str())
-        .map_err(|_| PublishError::Invalid("process_id longer than 255 bytes".into()))?;
-    let properties = BasicProperties::default()
-        .with_type(MESSAGE_TYPE.into())
-        .with_message_id(row.id.to_string().into())
-        .with_correlation_id(correlation)
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
-        .with_timestamp(u64::try_from(row.fired_at.timestamp()).unwrap_or(0))
-        .with_headers(bus::header(NODE_HEADER, &node.to_string()));
-    Ok(Outgoing {
-        message_id: row.id.to_string(),
-        exchange: row.exchange.clone(),
-        routing_key: row.routing_key.clone(),
-        properties,
-        body: timeout_body(row)?,
-        alone: false,
-    })
-}
-
-/// The body, with the payload spliced in as the text Postgres printed: jsonb is always
-/// valid JSON, and re-encoding it would refuse what a JSON library cannot represent
-/// (numbers beyond f64, deep nesting) although the consumer may well read it.
-fn timeout_body(row: &DueRow) -> Result<Vec<u8>, PublishError> {
-    let head = TimeOutHead {
-        expectation_id: row.id,
-        process_id: &row.process_id,
-        message_type: &row.message_type,
-        timeout_at: rfc3339(row.timeout_at),
-        fired_at: rfc3339(row.fired_at),
-    };
-    let mut body = serde_json::to_vec(&head).map_err(|e| PublishError::Invalid(e.to_string()))?;
-    let payload = row.payload.as_deref().unwrap_or("null");
-    // `{…}` becomes `{…,"payload":<payload>}`.
-    body.pop();
-    body.reserve(payload.len() + 12);
-    body.extend_from_slice(b",\"payload\":");
-    body.extend_from_slice(payload.as_bytes());
-    body.push(b'}');
-    Ok(body)
 }

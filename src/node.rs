@@ -1,0 +1,339 @@
+//! The node task: owns the election (nobody else touches it), drives it with ticks, the
+//! announcements the bus hands out and the node's own health, carries out its outputs,
+//! and publishes what other tasks need: the lease view (for the scan), the role, the bus,
+//! the status. It also supervises the broker connection (connect, reconnect, leave).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::backoff::Backoff;
+use crate::bus::{Announcements, Bus};
+use crate::config::Settings;
+use crate::daemon::Exit;
+use crate::election::{Election, LeaseView, Output, Role};
+use crate::health::{Check, Health};
+use crate::metrics::Metrics;
+use crate::shutdown::sleep_or_stop;
+use crate::status::{MemberStatus, Probe};
+use crate::telemetry::LogLimiter;
+use crate::wire::announcement::{Announcement, Rejected};
+
+/// What the node task uses, and what it publishes to the others.
+pub(crate) struct Node {
+    pub(crate) settings: Arc<Settings>,
+    pub(crate) node_id: Uuid,
+    pub(crate) probe: Arc<Probe>,
+    pub(crate) health: Arc<Health>,
+    pub(crate) bus: watch::Sender<Option<Arc<Bus>>>,
+    pub(crate) lease: watch::Sender<LeaseView>,
+    pub(crate) role: watch::Sender<Role>,
+    pub(crate) stop: CancellationToken,
+}
+
+/// At most one log line per rejection kind per this period.
+const REJECT_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The election driver and broker supervisor.
+pub(crate) struct NodeLoop {
+    ctx: Node,
+    /// Owned here and nowhere else: other tasks see the published `LeaseView`.
+    election: Election,
+    /// One limiter per rejection kind, so a flood of one kind cannot hide another.
+    rejected: HashMap<&'static str, LogLimiter>,
+    /// `sent_at` of our latest announcements: only those measure our own lag, so a
+    /// forged "own" announcement with an old timestamp cannot make us withdraw or exit.
+    sent: VecDeque<DateTime<Utc>>,
+    exit: Option<Exit>,
+}
+
+/// Own announcements remembered for lag measurement (several intervals' worth, so a
+/// late one is still recognised).
+const SENT_REMEMBERED: usize = 64;
+
+/// Why serving one connection ended.
+enum Ended {
+    BusLost,
+    Stop,
+}
+
+impl NodeLoop {
+    fn metrics(&self) -> &Metrics {
+        &self.ctx.probe.metrics
+    }
+
+    pub(crate) fn new(ctx: Node) -> Self {
+        let timing = ctx.settings.timing();
+        Self {
+            election: Election::new(ctx.node_id, timing, Instant::now()),
+            ctx,
+            rejected: HashMap::new(),
+            sent: VecDeque::with_capacity(SENT_REMEMBERED),
+            exit: None,
+        }
+    }
+
+    /// Connect, serve, reconnect on loss; on stop announce `leaving`. The last bus stays
+    /// published (and open) for the scan to finish its batch; the supervisor closes it.
+    pub(crate) async fn run(mut self) -> Exit {
+        let mut backoff =
+            Backoff::new(self.ctx.settings.backoff.min, self.ctx.settings.backoff.max);
+        let mut first = true;
+        loop {
+            let Some((bus, announcements)) = self.connect(&mut backoff).await else {
+                return self.exit.unwrap_or(Exit::Stopped);
+            };
+            if first {
+                tracing::info!("connected to RabbitMQ");
+            } else {
+                tracing::info!("reconnected to RabbitMQ: probing the group again");
+                self.election.bus_lost(Instant::now());
+            }
+            first = false;
+            self.ctx.health.pass(Check::Publish);
+            self.ctx.bus.send_replace(Some(bus.clone()));
+            self.ctx.probe.update(|s| s.bus_connected = true);
+            self.metrics().amqp_connected.store(1, Ordering::Relaxed);
+            let ended = self.serve(&bus, announcements).await;
+            self.ctx.probe.update(|s| s.bus_connected = false);
+            self.metrics().amqp_connected.store(0, Ordering::Relaxed);
+            match ended {
+                Ended::Stop => {
+                    self.leave(&bus).await;
+                    return self.exit.unwrap_or(Exit::Stopped);
+                }
+                Ended::BusLost => {
+                    self.ctx.bus.send_replace(None);
+                    self.election.bus_lost(Instant::now());
+                    self.apply_outputs(None).await;
+                    bus.close().await;
+                }
+            }
+        }
+    }
+
+    async fn connect(&mut self, backoff: &mut Backoff) -> Option<(Arc<Bus>, Announcements)> {
+        let settings = &self.ctx.settings;
+        let name = format!("timeoutd {}", self.ctx.node_id);
+        loop {
+            self.ctx.probe.beat(&self.ctx.probe.node_beat);
+            if self.ctx.stop.is_cancelled() {
+                return None;
+            }
+            match Bus::connect(&settings.amqp, &settings.election.group, &name).await {
+                Ok((bus, announcements)) => {
+                    backoff.reset();
+                    return Some((Arc::new(bus), announcements));
+                }
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::error!(error = %e, retry_in = ?delay, "cannot connect to RabbitMQ");
+                    if !sleep_or_stop(&self.ctx.stop, delay).await {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn serve(&mut self, bus: &Bus, mut announcements: Announcements) -> Ended {
+        let mut ticker = tokio::time::interval(self.ctx.settings.election.tick);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = self.ctx.stop.cancelled() => return Ended::Stop,
+                _ = ticker.tick() => {
+                    if !bus.is_healthy() {
+                        tracing::error!("RabbitMQ connection lost");
+                        return Ended::BusLost;
+                    }
+                    let now = Instant::now();
+                    let failing_since = self.ctx.health.failing_since();
+                    self.election.observe_health(now, failing_since);
+                    self.election.tick(now);
+                }
+                heard = announcements.next() => match heard {
+                    Some(Ok(a)) => self.receive(a),
+                    Some(Err(e)) => {
+                        tracing::error!(error = %e, "announcement consumer failed");
+                        return Ended::BusLost;
+                    }
+                    None => {
+                        tracing::error!("announcement consumer was cancelled");
+                        return Ended::BusLost;
+                    }
+                },
+            }
+            self.ctx.probe.beat(&self.ctx.probe.node_beat);
+            if !self.apply_outputs(Some(bus)).await {
+                return Ended::BusLost;
+            }
+            if self.exit.is_some() {
+                return Ended::Stop;
+            }
+        }
+    }
+
+    fn receive(&mut self, decoded: Result<Announcement, Rejected>) {
+        let now = Instant::now();
+        let a = match decoded {
+            Ok(a) => a,
+            Err(e) => {
+                self.metrics().rejected(e.kind());
+                let limiter = self
+                    .rejected
+                    .entry(e.kind())
+                    .or_insert_with(|| LogLimiter::new(REJECT_LOG_EVERY));
+                if let Some(suppressed) = limiter.allow(now) {
+                    tracing::warn!(reason = e.kind(), suppressed, "dropped announcement: {e}");
+                }
+                return;
+            }
+        };
+        self.metrics()
+            .received(match (a.withdrawn, a.leaving, a.probe) {
+                (true, _, _) => "withdrawn",
+                (_, true, _) => "leaving",
+                (_, _, true) => "probe",
+                _ => "announce",
+            });
+        self.election.step(now, a.heard());
+        // A withdrawn node keeps measuring: it rejoins once its lag has recovered.
+        let ours = a.node_id == self.ctx.node_id && self.sent.contains(&a.sent_at);
+        if ours && (!a.leaving || a.withdrawn) {
+            // Our own message: sent and received by this clock, so skew cannot fake lag.
+            let lag = (Utc::now() - a.sent_at).to_std().unwrap_or_default();
+            self.election.observe_own_lag(now, lag);
+        }
+    }
+
+    /// Carry out what the election asks. False when an announcement could not be sent
+    /// (the bus is broken).
+    async fn apply_outputs(&mut self, bus: Option<&Bus>) -> bool {
+        let e = &mut self.election;
+        let outputs: Vec<Output> = std::iter::from_fn(|| e.poll_output()).collect();
+        let snapshot = members_view(e);
+        self.ctx.lease.send_replace(e.lease_view());
+        self.metrics()
+            .members
+            .store(snapshot.4.len() as u64, Ordering::Relaxed);
+        let failing = self.ctx.health.failing();
+        self.ctx.probe.update(|s| {
+            (s.role, s.settled, s.candidate, s.lowest, s.members) = snapshot;
+            s.failing_checks = failing;
+        });
+        for output in outputs {
+            if !self.apply(output, bus).await {
+                return false;
+            }
+        }
+        true
+    }
+
+    async fn apply(&mut self, output: Output, bus: Option<&Bus>) -> bool {
+        match output {
+            Output::Send(a) => {
+                let Some(bus) = bus else { return true };
+                let msg = Announcement {
+                    node_id: self.ctx.node_id,
+                    group: self.ctx.settings.election.group.clone(),
+                    sent_at: Utc::now(),
+                    active: a.active,
+                    leaving: a.leaving,
+                    probe: a.probe,
+                    withdrawn: a.withdrawn,
+                };
+                if self.sent.len() == SENT_REMEMBERED {
+                    self.sent.pop_front();
+                }
+                self.sent.push_back(msg.sent_at);
+                if let Err(e) = bus
+                    .announce(&msg, self.ctx.settings.election.member_ttl)
+                    .await
+                {
+                    tracing::error!(error = %e, "cannot announce");
+                    return false;
+                }
+                self.metrics()
+                    .announcements_sent
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            Output::RoleChanged {
+                role,
+                reason,
+                members,
+            } => {
+                let members: Vec<String> = members.iter().map(Uuid::to_string).collect();
+                tracing::info!(node_id = %self.ctx.node_id, %role, %reason, ?members, "role changed");
+                self.ctx.role.send_replace(role);
+                let m = self.metrics();
+                m.role_changes.fetch_add(1, Ordering::Relaxed);
+                m.active
+                    .store(u64::from(role == Role::Active), Ordering::Relaxed);
+            }
+            Output::BusSilent { for_ } => tracing::warn!(
+                silent_for = ?for_,
+                "heard no announcement, not even our own: the bus is broken for this node; acting alone"
+            ),
+            Output::Lagging { lag } => tracing::error!(
+                ?lag, max_lag = ?self.ctx.settings.timing().max_lag,
+                "own announcements arrive too late: stepping down"
+            ),
+            Output::LagRecovered { lag } => tracing::info!(?lag, "announcements on time again"),
+            Output::Exit { lag } => {
+                tracing::error!(
+                    ?lag,
+                    "lagging for too long: exiting so the orchestrator restarts us"
+                );
+                self.exit = Some(Exit::Lagging);
+            }
+            Output::Candidacy { candidate, reason } => {
+                let failing = self.ctx.health.failing();
+                if candidate {
+                    tracing::info!(%reason, "rejoining: probing the group");
+                } else {
+                    tracing::warn!(%reason, ?failing, "withdrawn: not a candidate until fit again");
+                }
+                self.metrics()
+                    .candidate
+                    .store(u64::from(candidate), Ordering::Relaxed);
+            }
+        }
+        true
+    }
+
+    /// Announce `leaving` so the next node takes over within a tick.
+    async fn leave(&mut self, bus: &Bus) {
+        self.election.leave(Instant::now());
+        self.apply_outputs(Some(bus)).await;
+    }
+}
+
+type MembersView = (Role, bool, bool, Uuid, Vec<MemberStatus>);
+
+fn members_view(e: &Election) -> MembersView {
+    let members = e
+        .members(Instant::now())
+        .into_iter()
+        .map(|m| MemberStatus {
+            node_id: m.id,
+            last_seen_ms: m.age.as_millis(),
+            active: m.active,
+            probing: m.probing,
+            withdrawn: m.withdrawn,
+        })
+        .collect();
+    (
+        e.role(),
+        e.is_settled(),
+        e.is_candidate(),
+        e.lowest(),
+        members,
+    )
+}
