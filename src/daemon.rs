@@ -23,20 +23,10 @@ use crate::health::Health;
 use crate::http;
 use crate::node::{Node, NodeLoop};
 use crate::scheduler::{self, Firing};
+pub use crate::shutdown::Exit;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{Probe, Snapshot};
 use crate::store::Store;
-
-/// How the daemon ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Exit {
-    /// Stopped on request (SIGTERM/SIGINT or `Handle::stop`).
-    Stopped,
-    /// Its own announcements lagged past `election.max_lag_exit`: restart it.
-    Lagging,
-    /// A task of the daemon failed (panicked or ended on its own): restart it.
-    Failed,
-}
 
 /// A running daemon.
 pub struct Handle {

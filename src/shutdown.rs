@@ -1,4 +1,4 @@
-//! Waiting that gives way to a stop request.
+//! How a daemon ends, and waiting that gives way to a stop request.
 
 use std::time::Duration;
 
@@ -10,4 +10,15 @@ pub(crate) async fn sleep_or_stop(stop: &CancellationToken, d: Duration) -> bool
         _ = stop.cancelled() => false,
         _ = tokio::time::sleep(d) => true,
     }
+}
+
+/// How the daemon ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Stopped on request (SIGTERM/SIGINT or `Handle::stop`).
+    Stopped,
+    /// Its own announcements lagged past `election.max_lag_exit`: restart it.
+    Lagging,
+    /// A task of the daemon failed (panicked or ended on its own): restart it.
+    Failed,
 }
