@@ -75,10 +75,7 @@ async fn status(State(probe): State<Arc<Probe>>) -> Json<Snapshot> {
 async fn metrics(State(probe): State<Arc<Probe>>) -> Response {
     let postgres_ok = probe.refresh_pending().await;
     let body = probe.metrics.render(postgres_ok);
-    let content_type = [(
-        header::CONTENT_TYPE,
-        "text/plain; version=0.0.4; charset=utf-8",
-    )];
+    let content_type = [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)];
     (StatusCode::OK, content_type, body).into_response()
 }
 

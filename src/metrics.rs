@@ -1,147 +1,231 @@
-//! Prometheus metrics in the text exposition format. Hand-rolled: a handful of atomics and
-//! two fixed-bucket histograms, every series labelled with the group and the node id.
+//! The daemon's Prometheus metrics, kept by the Prometheus project's Rust client
+//! (`prometheus-client`) and exposed in the OpenMetrics text format. Every series carries
+//! the labels `group` and `node_id`; the fields are private: the tasks call methods named
+//! after the events they count.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::borrow::Cow;
 use std::time::Duration;
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
 use uuid::Uuid;
 
 use crate::store::PendingCounts;
 
+/// The content type of [`Metrics::render`].
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
 /// Scan durations: a batch is milliseconds when healthy, seconds when the database stalls.
-const SCAN_BUCKETS: &[f64] = &[
+const SCAN_BUCKETS: [f64; 13] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 /// Lateness of a TimeOut after its deadline: the default tick is 250 ms.
-const LATENESS_BUCKETS: &[f64] = &[
+const LATENESS_BUCKETS: [f64; 13] = [
     0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
-#[derive(Debug)]
-struct Histogram {
-    bounds: &'static [f64],
-    buckets: Vec<AtomicU64>,
-    count: AtomicU64,
-    sum_micros: AtomicU64,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
 }
 
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-            count: AtomicU64::new(0),
-            sum_micros: AtomicU64::new(0),
-        }
-    }
-
-    fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = self.bounds.iter().position(|b| secs <= *b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-        self.sum_micros.fetch_add(micros, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
-        header(out, name, help, "histogram");
-        let mut cumulative = 0;
-        for (bound, n) in self.bounds.iter().zip(&self.buckets) {
-            cumulative += n.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
-    }
-}
-
-/// Counters keyed by a label value (`reason`, `kind`).
-#[derive(Debug, Default)]
-struct Labelled(Mutex<BTreeMap<&'static str, u64>>);
-
-impl Labelled {
-    fn inc(&self, key: &'static str, by: u64) {
-        *self
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(key)
-            .or_default() += by;
-    }
-
-    fn snapshot(&self) -> Vec<(&'static str, u64)> {
-        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        map.iter().map(|(k, v)| (*k, *v)).collect()
-    }
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
 }
 
 /// The daemon's metrics.
 #[derive(Debug)]
 pub struct Metrics {
-    labels: String,
-    pub active: AtomicU64,
-    pub candidate: AtomicU64,
-    pub members: AtomicU64,
-    pub role_changes: AtomicU64,
-    pub announcements_sent: AtomicU64,
-    received: Labelled,
-    rejected: Labelled,
-    pub fired: AtomicU64,
-    pub parked: AtomicU64,
-    publish_failures: Labelled,
+    registry: Registry,
+    active: Gauge,
+    candidate: Gauge,
+    members: Gauge,
+    amqp_connected: Gauge,
+    postgres_connected: Gauge,
+    role_changes: Counter,
+    announcements_sent: Counter,
+    received: Family<KindLabel, Counter>,
+    rejected: Family<ReasonLabel, Counter>,
+    fired: Counter,
+    parked: Counter,
+    publish_failures: Family<ReasonLabel, Counter>,
     scan_duration: Histogram,
     lateness: Histogram,
-    pub amqp_connected: AtomicU64,
-    pending: [AtomicI64; 4],
+    pending: [Gauge; 4],
 }
 
 impl Metrics {
     pub fn new(group: &str, node: Uuid) -> Self {
-        let group = group.replace('\\', "\\\\").replace('"', "\\\"");
-        Self {
-            labels: format!("group=\"{group}\",node_id=\"{node}\""),
-            active: AtomicU64::new(0),
-            candidate: AtomicU64::new(1),
-            members: AtomicU64::new(0),
-            role_changes: AtomicU64::new(0),
-            announcements_sent: AtomicU64::new(0),
-            received: Labelled::default(),
-            rejected: Labelled::default(),
-            fired: AtomicU64::new(0),
-            parked: AtomicU64::new(0),
-            publish_failures: Labelled::default(),
+        let labels = [
+            (Cow::Borrowed("group"), Cow::Owned(group.to_owned())),
+            (Cow::Borrowed("node_id"), Cow::Owned(node.to_string())),
+        ];
+        let mut m = Self {
+            registry: Registry::with_prefix_and_labels("timeoutd", labels.into_iter()),
+            active: Gauge::default(),
+            candidate: Gauge::default(),
+            members: Gauge::default(),
+            amqp_connected: Gauge::default(),
+            postgres_connected: Gauge::default(),
+            role_changes: Counter::default(),
+            announcements_sent: Counter::default(),
+            received: Family::default(),
+            rejected: Family::default(),
+            fired: Counter::default(),
+            parked: Counter::default(),
+            publish_failures: Family::default(),
             scan_duration: Histogram::new(SCAN_BUCKETS),
             lateness: Histogram::new(LATENESS_BUCKETS),
-            amqp_connected: AtomicU64::new(0),
             pending: Default::default(),
+        };
+        m.candidate.set(1);
+        m.register();
+        m
+    }
+
+    fn register(&mut self) {
+        let r = &mut self.registry;
+        r.register(
+            "active",
+            "1 if this node is the active one",
+            self.active.clone(),
+        );
+        r.register(
+            "candidate",
+            "0 while this node is withdrawn (own checks failing or lagging)",
+            self.candidate.clone(),
+        );
+        r.register(
+            "members",
+            "live members in this node's view",
+            self.members.clone(),
+        );
+        r.register(
+            "amqp_connected",
+            "1 while connected to RabbitMQ",
+            self.amqp_connected.clone(),
+        );
+        r.register(
+            "postgres_connected",
+            "1 if Postgres answered at scrape time",
+            self.postgres_connected.clone(),
+        );
+        r.register(
+            "role_changes",
+            "role changes of this node",
+            self.role_changes.clone(),
+        );
+        r.register(
+            "announcements_sent",
+            "announcements sent",
+            self.announcements_sent.clone(),
+        );
+        r.register(
+            "announcements_received",
+            "announcements accepted, by kind",
+            self.received.clone(),
+        );
+        r.register(
+            "announcements_rejected",
+            "announcements dropped, by reason",
+            self.rejected.clone(),
+        );
+        r.register(
+            "timeouts_fired",
+            "TimeOuts confirmed and their rows deleted",
+            self.fired.clone(),
+        );
+        r.register(
+            "rows_parked",
+            "rows whose TimeOut was confirmed but that could not be deleted (parked)",
+            self.parked.clone(),
+        );
+        r.register(
+            "publish_failures",
+            "TimeOuts not confirmed, by reason",
+            self.publish_failures.clone(),
+        );
+        r.register_with_unit(
+            "scan_duration",
+            "duration of scan batches that locked rows",
+            Unit::Seconds,
+            self.scan_duration.clone(),
+        );
+        r.register_with_unit(
+            "fire_lateness",
+            "fire time minus deadline of each TimeOut",
+            Unit::Seconds,
+            self.lateness.clone(),
+        );
+        let pending = [
+            ("pending_total", "expectations in the table"),
+            ("pending_due", "rows due but not yet fired"),
+            ("pending_overdue", "rows due for longer than a tick"),
+            (
+                "pending_failing",
+                "rows whose publish failed (attempts > 0)",
+            ),
+        ];
+        for ((name, help), gauge) in pending.into_iter().zip(&self.pending) {
+            r.register(name, help, gauge.clone());
         }
     }
 
+    pub fn set_active(&self, active: bool) {
+        self.active.set(i64::from(active));
+    }
+
+    pub fn set_candidate(&self, candidate: bool) {
+        self.candidate.set(i64::from(candidate));
+    }
+
+    pub fn set_members(&self, n: usize) {
+        self.members.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    pub fn set_amqp_connected(&self, connected: bool) {
+        self.amqp_connected.set(i64::from(connected));
+    }
+
+    pub fn role_changed(&self) {
+        self.role_changes.inc();
+    }
+
+    pub fn announced(&self) {
+        self.announcements_sent.inc();
+    }
+
     pub fn received(&self, kind: &'static str) {
-        self.received.inc(kind, 1);
+        self.received.get_or_create(&KindLabel { kind }).inc();
     }
 
     pub fn rejected(&self, reason: &'static str) {
-        self.rejected.inc(reason, 1);
+        self.rejected.get_or_create(&ReasonLabel { reason }).inc();
     }
 
     pub fn publish_failed(&self, reason: &'static str) {
-        self.publish_failures.inc(reason, 1);
+        self.publish_failures
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
     }
 
+    pub fn parked(&self, rows: usize) {
+        self.parked.inc_by(rows as u64);
+    }
+
+    /// One batch that locked rows: its duration and the lateness of each fired row.
     pub fn scanned(&self, duration: Duration, lateness: &[Duration]) {
-        self.scan_duration.observe(duration);
-        lateness.iter().for_each(|l| self.lateness.observe(*l));
-        self.fired
-            .fetch_add(lateness.len() as u64, Ordering::Relaxed);
+        self.scan_duration.observe(duration.as_secs_f64());
+        lateness
+            .iter()
+            .for_each(|l| self.lateness.observe(l.as_secs_f64()));
+        self.fired.inc_by(lateness.len() as u64);
     }
 
     pub fn set_pending(&self, c: PendingCounts) {
@@ -150,145 +234,18 @@ impl Metrics {
             .iter()
             .zip([c.pending, c.due, c.overdue, c.failing])
         {
-            gauge.store(v, Ordering::Relaxed);
+            gauge.set(v);
         }
     }
 
     /// The exposition text; `postgres_ok` is measured by the caller at scrape time.
     pub fn render(&self, postgres_ok: bool) -> String {
-        let mut out = String::with_capacity(4096);
-        let l = &self.labels;
-        let gauges = [
-            (
-                "timeoutd_active",
-                "1 if this node is the active one",
-                self.active.load(Ordering::Relaxed),
-            ),
-            (
-                "timeoutd_candidate",
-                "0 while this node is withdrawn (own checks failing or lagging)",
-                self.candidate.load(Ordering::Relaxed),
-            ),
-            (
-                "timeoutd_members",
-                "live members in this node's view",
-                self.members.load(Ordering::Relaxed),
-            ),
-            (
-                "timeoutd_amqp_connected",
-                "1 while connected to RabbitMQ",
-                self.amqp_connected.load(Ordering::Relaxed),
-            ),
-            (
-                "timeoutd_postgres_connected",
-                "1 if Postgres answered at scrape time",
-                u64::from(postgres_ok),
-            ),
-        ];
-        for (name, help, v) in gauges {
-            header(&mut out, name, help, "gauge");
-            let _ = writeln!(out, "{name}{{{l}}} {v}");
-        }
-        let counters = [
-            (
-                "timeoutd_role_changes_total",
-                "role changes of this node",
-                &self.role_changes,
-            ),
-            (
-                "timeoutd_announcements_sent_total",
-                "announcements sent",
-                &self.announcements_sent,
-            ),
-            (
-                "timeoutd_timeouts_fired_total",
-                "TimeOuts confirmed and their rows deleted",
-                &self.fired,
-            ),
-            (
-                "timeoutd_rows_parked_total",
-                "rows whose TimeOut was confirmed but that could not be deleted (parked)",
-                &self.parked,
-            ),
-        ];
-        for (name, help, v) in counters {
-            header(&mut out, name, help, "counter");
-            let _ = writeln!(out, "{name}{{{l}}} {}", v.load(Ordering::Relaxed));
-        }
-        self.render_labelled(&mut out);
-        self.render_pending(&mut out);
-        self.scan_duration.render(
-            &mut out,
-            "timeoutd_scan_duration_seconds",
-            "duration of scan batches that locked rows",
-            l,
-        );
-        self.lateness.render(
-            &mut out,
-            "timeoutd_fire_lateness_seconds",
-            "fire time minus deadline of each TimeOut",
-            l,
-        );
+        self.postgres_connected.set(i64::from(postgres_ok));
+        let mut out = String::with_capacity(8192);
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
         out
     }
-
-    fn render_labelled(&self, out: &mut String) {
-        let l = &self.labels;
-        let families = [
-            (
-                "timeoutd_announcements_received_total",
-                "announcements accepted, by kind",
-                "kind",
-                &self.received,
-            ),
-            (
-                "timeoutd_announcements_rejected_total",
-                "announcements dropped, by reason",
-                "reason",
-                &self.rejected,
-            ),
-            (
-                "timeoutd_publish_failures_total",
-                "TimeOuts not confirmed, by reason",
-                "reason",
-                &self.publish_failures,
-            ),
-        ];
-        for (name, help, label, values) in families {
-            header(out, name, help, "counter");
-            for (k, v) in values.snapshot() {
-                let _ = writeln!(out, "{name}{{{l},{label}=\"{k}\"}} {v}");
-            }
-        }
-    }
-
-    fn render_pending(&self, out: &mut String) {
-        let names = [
-            ("timeoutd_pending_total", "expectations in the table"),
-            ("timeoutd_pending_due", "rows due but not yet fired"),
-            (
-                "timeoutd_pending_overdue",
-                "rows due for longer than a tick",
-            ),
-            (
-                "timeoutd_pending_failing",
-                "rows whose publish failed (attempts > 0)",
-            ),
-        ];
-        for ((name, help), v) in names.iter().zip(&self.pending) {
-            header(out, name, help, "gauge");
-            let _ = writeln!(
-                out,
-                "{name}{{{}}} {}",
-                self.labels,
-                v.load(Ordering::Relaxed)
-            );
-        }
-    }
-}
-
-fn header(out: &mut String, name: &str, help: &str, kind: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
 #[cfg(test)]
@@ -315,8 +272,10 @@ mod tests {
             format!("timeoutd_fire_lateness_seconds_bucket{{{labels},le=\"2.5\"}} 2"),
             format!("timeoutd_fire_lateness_seconds_count{{{labels}}} 2"),
             format!("timeoutd_postgres_connected{{{labels}}} 1"),
+            format!("timeoutd_candidate{{{labels}}} 1"),
         ] {
             assert!(text.contains(&line), "missing {line}\n{text}");
         }
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

@@ -5,7 +5,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -98,10 +97,10 @@ impl NodeLoop {
             self.ctx.health.pass(Check::Publish);
             self.ctx.bus.send_replace(Some(bus.clone()));
             self.ctx.probe.update(|s| s.bus_connected = true);
-            self.metrics().amqp_connected.store(1, Ordering::Relaxed);
+            self.metrics().set_amqp_connected(true);
             let ended = self.serve(&bus, announcements).await;
             self.ctx.probe.update(|s| s.bus_connected = false);
-            self.metrics().amqp_connected.store(0, Ordering::Relaxed);
+            self.metrics().set_amqp_connected(false);
             match ended {
                 Ended::Stop => {
                     self.leave(&bus).await;
@@ -219,9 +218,7 @@ impl NodeLoop {
         let outputs: Vec<Output> = std::iter::from_fn(|| e.poll_output()).collect();
         let snapshot = members_view(e);
         self.ctx.lease.send_replace(e.lease_view());
-        self.metrics()
-            .members
-            .store(snapshot.4.len() as u64, Ordering::Relaxed);
+        self.metrics().set_members(snapshot.4.len());
         let failing = self.ctx.health.failing();
         self.ctx.probe.update(|s| {
             (s.role, s.settled, s.candidate, s.lowest, s.members) = snapshot;
@@ -259,9 +256,7 @@ impl NodeLoop {
                     tracing::error!(error = %e, "cannot announce");
                     return false;
                 }
-                self.metrics()
-                    .announcements_sent
-                    .fetch_add(1, Ordering::Relaxed);
+                self.metrics().announced();
             }
             Output::RoleChanged {
                 role,
@@ -272,9 +267,8 @@ impl NodeLoop {
                 tracing::info!(node_id = %self.ctx.node_id, %role, %reason, ?members, "role changed");
                 self.ctx.role.send_replace(role);
                 let m = self.metrics();
-                m.role_changes.fetch_add(1, Ordering::Relaxed);
-                m.active
-                    .store(u64::from(role == Role::Active), Ordering::Relaxed);
+                m.role_changed();
+                m.set_active(role == Role::Active);
             }
             Output::BusSilent { for_ } => tracing::warn!(
                 silent_for = ?for_,
@@ -299,9 +293,7 @@ impl NodeLoop {
                 } else {
                     tracing::warn!(%reason, ?failing, "withdrawn: not a candidate until fit again");
                 }
-                self.metrics()
-                    .candidate
-                    .store(u64::from(candidate), Ordering::Relaxed);
+                self.metrics().set_candidate(candidate);
             }
         }
         true

@@ -271,9 +271,7 @@ fn record(shared: &Firing, outcome: &BatchOutcome, summary: &mut Summary) {
         None => shared.health.pass(Check::Publish),
     }
     let metrics = &shared.probe.metrics;
-    metrics
-        .parked
-        .fetch_add(outcome.parked as u64, std::sync::atomic::Ordering::Relaxed);
+    metrics.parked(outcome.parked);
     metrics.scanned(outcome.duration, &outcome.lateness);
     outcome
         .failure_reasons

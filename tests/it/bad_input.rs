@@ -9,7 +9,7 @@ use timeoutd::client::Expectation;
 use crate::common::{Inbox, Observer, Proc, World, amqp, wait_for, wait_for_async};
 
 /// Publish raw bodies on the group's announcement routing key.
-async fn publish_junk(group: &str, junk: &[(Option<&str>, Vec<u8>)]) {
+pub async fn publish_junk(group: &str, junk: &[(Option<&str>, Vec<u8>)]) {
     let conn = amqp().await;
     let ch = conn.create_channel().await.expect("channel");
     for (kind, body) in junk {

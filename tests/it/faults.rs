@@ -614,6 +614,10 @@ async fn postgres_down_for_everyone_nobody_flaps() {
         body.contains("withdrawn") || body.contains("postgres"),
         "{body}"
     );
+    let (_, metrics) = crate::http::get(addr, "/metrics").await;
+    let gauge = |name| crate::http::metric(&metrics, name);
+    assert_eq!(gauge("timeoutd_candidate{"), Some(0.0), "{metrics}");
+    assert_eq!(gauge("timeoutd_active{"), Some(0.0), "{metrics}");
     proxy.set(Mode::Pass);
     wait_for(Duration::from_secs(20), "both rejoin", || {
         procs

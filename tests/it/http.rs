@@ -68,7 +68,7 @@ async fn not_ready_without_rabbitmq_names_the_side() {
     world.cleanup().await;
 }
 
-fn metric(text: &str, name_and_labels_prefix: &str) -> Option<f64> {
+pub fn metric(text: &str, name_and_labels_prefix: &str) -> Option<f64> {
     text.lines()
         .find(|l| l.starts_with(name_and_labels_prefix))
         .and_then(|l| l.rsplit(' ').next())
@@ -155,4 +155,89 @@ async fn metrics_and_status_follow_role_changes_and_firing() {
     .await;
     stayer.stop().await;
     world.cleanup().await;
+}
+
+/// Every series the README documents, read from /metrics after the event it counts:
+/// start (role, candidate, members, connections, announcements), a junk announcement,
+/// TimeOuts fired (count, lateness, scan duration), an unroutable row (failure by reason,
+/// pending counts), a row the process manager's foreign key keeps (parked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_documented_series_moves_after_its_event() {
+    let world = World::new().await;
+    world.migrate().await;
+    let inbox = Inbox::new().await;
+    let node = world.start().await;
+    let addr = node.http_addr;
+    wait_for(Duration::from_secs(5), "active", || {
+        *node.role.borrow() == timeoutd::election::Role::Active
+    })
+    .await;
+    hold_with_foreign_key(&world, &Expectation::new("held", "Reply", &inbox.queue)).await;
+    for i in 0..3 {
+        let e = Expectation::new(&format!("s-{i}"), "Reply", &inbox.queue);
+        world.expect(&e).await;
+    }
+    let nowhere = format!("no-queue-{}", world.group);
+    world
+        .expect(&Expectation::new("nowhere", "Reply", &nowhere))
+        .await;
+    crate::bad_input::publish_junk(&world.group, &[(None, b"{not json".to_vec())]).await;
+    let expected = [
+        ("timeoutd_active{", 1.0),
+        ("timeoutd_candidate{", 1.0),
+        ("timeoutd_members{", 1.0),
+        ("timeoutd_amqp_connected{", 1.0),
+        ("timeoutd_postgres_connected{", 1.0),
+        ("timeoutd_role_changes_total{", 1.0),
+        ("timeoutd_announcements_sent_total{", 1.0),
+        ("timeoutd_announcements_received_total{", 1.0),
+        ("timeoutd_announcements_rejected_total{", 1.0),
+        ("timeoutd_timeouts_fired_total{", 4.0),
+        ("timeoutd_rows_parked_total{", 1.0),
+        ("timeoutd_publish_failures_total{", 1.0),
+        ("timeoutd_scan_duration_seconds_count{", 1.0),
+        ("timeoutd_fire_lateness_seconds_count{", 4.0),
+        ("timeoutd_pending_total{", 2.0),
+        ("timeoutd_pending_due{", 2.0),
+        ("timeoutd_pending_overdue{", 2.0),
+        ("timeoutd_pending_failing{", 2.0),
+    ];
+    let moved = |text: &str| {
+        expected
+            .iter()
+            .all(|(name, at_least)| metric(text, name).is_some_and(|v| v >= *at_least))
+    };
+    wait_for_async(Duration::from_secs(15), "every series moved", || async {
+        moved(&get(addr, "/metrics").await.1)
+    })
+    .await;
+    let (_, last) = get(addr, "/metrics").await;
+    for (name, at_least) in expected {
+        let v = metric(&last, name).unwrap_or(f64::NAN);
+        println!("{name}… {v} (≥ {at_least})");
+    }
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// Insert `e` referenced by a table of the "process manager" in the same transaction, so
+/// the daemon never sees it unreferenced: its delete will be refused.
+async fn hold_with_foreign_key(world: &World, e: &Expectation) {
+    let s = &world.schema;
+    let ddl = format!("CREATE TABLE {s}.pm_refs (exp uuid REFERENCES {s}.expected_messages(id))");
+    sqlx::query(sqlx::AssertSqlSafe(ddl))
+        .execute(&world.pool)
+        .await
+        .expect("pm table");
+    let mut tx = world.pool.begin().await.expect("tx");
+    timeoutd::client::expect(&mut tx, s, e)
+        .await
+        .expect("insert");
+    let refer = format!("INSERT INTO {s}.pm_refs VALUES ($1)");
+    sqlx::query(sqlx::AssertSqlSafe(refer))
+        .bind(e.id)
+        .execute(&mut *tx)
+        .await
+        .expect("reference");
+    tx.commit().await.expect("commit");
 }
