@@ -15,21 +15,27 @@ WORKDIR /build
 #    The example consumer (the compose demo's `timeoutd-consume`) is built
 #    too; examples may use dev-dependencies, so they are compiled here as well.
 COPY Cargo.toml Cargo.lock build.rs ./
-RUN mkdir -p src examples migrations config \
+COPY timeoutd-client/Cargo.toml timeoutd-client/
+COPY timeoutd-bench/Cargo.toml timeoutd-bench/
+RUN mkdir -p src examples migrations config timeoutd-client/src timeoutd-bench/src \
  && echo 'fn main() {}' > src/main.rs \
  && echo 'fn main() {}' > examples/consume.rs \
  && : > src/lib.rs \
- && cargo build --release --locked --bin timeoutd --example consume \
- && rm -rf src examples
+ && : > timeoutd-client/src/lib.rs \
+ && echo 'fn main() {}' > timeoutd-bench/src/main.rs \
+ && cargo build --release --locked -p timeoutd --bin timeoutd --example consume \
+ && rm -rf src examples timeoutd-client/src
 
 # 2. The real sources. COPY keeps the files' original mtimes, which may be
-#    older than the dummy build above, so touch them to force a rebuild.
+#    older than the dummy build above, so touch them to force a rebuild. (The
+#    benchmark crate is a workspace member only: its dummy stays.)
 COPY src/ src/
+COPY timeoutd-client/src/ timeoutd-client/src/
 COPY examples/ examples/
 COPY migrations/ migrations/
 COPY config/ config/
-RUN touch src/main.rs src/lib.rs build.rs examples/consume.rs \
- && cargo build --release --locked --bin timeoutd --example consume \
+RUN touch src/main.rs src/lib.rs build.rs examples/consume.rs timeoutd-client/src/lib.rs \
+ && cargo build --release --locked -p timeoutd --bin timeoutd --example consume \
  && strip target/release/timeoutd target/release/examples/consume
 
 # ---------------------------------------------------------------------------

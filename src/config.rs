@@ -203,7 +203,8 @@ impl Settings {
             &["postgres", "postgresql"],
         )?;
         check_name("amqp.announce_exchange", &self.amqp.announce_exchange)?;
-        check_identifier("postgres.schema", &self.postgres.schema)?;
+        timeoutd_client::Schema::new(&self.postgres.schema)
+            .map_err(|e| ConfigError::invalid("postgres.schema", e.to_string()))?;
         check_name("election.group", &self.election.group)?;
         if self.election.group.contains(['*', '#', '.']) {
             return Err(ConfigError::invalid(
@@ -397,22 +398,6 @@ fn check_url(key: &str, raw: &str, schemes: &[&str]) -> Result<(), ConfigError> 
     }
     if url.host_str().is_none_or(str::is_empty) {
         return Err(ConfigError::invalid(key, "has no host"));
-    }
-    Ok(())
-}
-
-/// A plain SQL identifier, safe to quote into statements.
-fn check_identifier(key: &str, s: &str) -> Result<(), ConfigError> {
-    let mut chars = s.chars();
-    let first_ok = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
-    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if !first_ok || !rest_ok || s.len() > 63 {
-        return Err(ConfigError::invalid(
-            key,
-            format!("{s:?} is not a plain identifier ([a-z_][a-z0-9_]*, at most 63 bytes)"),
-        ));
     }
     Ok(())
 }

@@ -7,7 +7,7 @@
 
 pub mod bus;
 pub mod cli;
-pub mod client;
+pub use timeoutd_client as client;
 pub mod commands;
 pub mod config;
 pub mod daemon;

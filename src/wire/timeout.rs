@@ -69,3 +69,39 @@ fn body(row: &DueRow) -> Result<Vec<u8>, Invalid> {
 fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Micros, true)
 }
+
+#[cfg(test)]
+mod tests {
+    use chrono::TimeZone;
+
+    use super::*;
+
+    /// What the daemon writes is what a consumer of the client crate reads.
+    #[test]
+    fn the_client_decodes_what_the_daemon_encodes() {
+        let at = Utc
+            .timestamp_opt(1_790_000_000, 123_456_000)
+            .single()
+            .expect("time");
+        let row = DueRow {
+            id: Uuid::new_v4(),
+            process_id: "order-42".into(),
+            message_type: "PaymentReceived".into(),
+            timeout_at: at,
+            exchange: String::new(),
+            routing_key: "orders.timeouts".into(),
+            payload: Some(r#"{"big": 1e400, "deep": [[[1]]]}"#.into()),
+            payload_bytes: None,
+            attempts: 0,
+            fired_at: at,
+        };
+        let m = timeout(&row, Uuid::nil()).expect("a TimeOut");
+        let t = timeoutd_client::TimeOut::from_body(&m.body).expect("decodes");
+        assert_eq!(t.expectation_id, row.id);
+        assert_eq!(t.process_id, row.process_id);
+        assert_eq!(t.message_type, row.message_type);
+        assert_eq!((t.timeout_at, t.fired_at), (at, at));
+        assert_eq!(t.payload.get(), row.payload.as_deref().unwrap_or_default());
+        assert_eq!(m.properties.message_id, Some(row.id.to_string()));
+    }
+}

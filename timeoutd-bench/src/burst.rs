@@ -1,0 +1,84 @@
+//! Burst.
+
+use crate::prelude::*;
+use crate::*;
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Burst {
+    pub(crate) rows: usize,
+    /// Time to insert the rows (one transaction), committed before they were due.
+    pub(crate) insert_secs: f64,
+    /// Milliseconds from the deadline (T0) to the first and the last TimeOut received.
+    pub(crate) first_ms: f64,
+    pub(crate) last_ms: f64,
+    /// Rows / (last − T0): the burst throughput.
+    pub(crate) rows_per_sec: f64,
+    /// Rows / (last − first): without the wait for the first tick after T0.
+    pub(crate) drain_rows_per_sec: f64,
+    pub(crate) delivery: Delivery,
+    pub(crate) left_in_table: i64,
+    pub(crate) batches: usize,
+    pub(crate) mean_batch_ms: f64,
+    pub(crate) max_batch_ms: f64,
+    /// Every batch's duration, in the order the daemon logged them.
+    pub(crate) batch_ms: Vec<f64>,
+    /// Sum of batch durations / (last − T0): the share of the wall time spent in batches.
+    pub(crate) busy_fraction: f64,
+    pub(crate) complete: bool,
+}
+
+/// N rows, all due at T0 (committed before T0); the clock runs from T0 to the receipt of
+/// the last TimeOut.
+pub(crate) async fn burst(
+    env: &Env,
+    daemon: &mut Daemon,
+    n: usize,
+    insert_rate: f64,
+) -> Result<Burst> {
+    let ids = fresh_ids(n);
+    let lead = Duration::from_secs_f64(n as f64 / insert_rate * 1.5 + 1.0);
+    let t0 = (Utc::now() + chrono::Duration::from_std(lead)?).trunc_subsecs(6);
+    env.inbox.take();
+    let started = Instant::now();
+    let mut tx = env.pool.begin().await?;
+    insert_due(&mut tx, &env.table(), &env.queue, &ids, Some(t0)).await?;
+    tx.commit().await?;
+    let insert_secs = started.elapsed().as_secs_f64();
+    let start = t0.max(Utc::now());
+    if start > t0 {
+        eprintln!("   burst: insert committed after T0; the clock starts at the commit");
+    }
+    let complete = env.inbox.wait_for(n, lead + receive_limit(n)).await;
+    daemon.check_alive()?;
+    let got = env.inbox.take();
+    let expected: HashSet<Uuid> = ids.into_iter().collect();
+    let delivery = Delivery::check(&got, &expected);
+    let first = got.iter().map(|(_, at)| *at).min().unwrap_or(start);
+    let last = got.iter().map(|(_, at)| *at).max().unwrap_or(start);
+    let last_ms = ms(last - start);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let batches = daemon
+        .log
+        .batches_between(t0, last + chrono::Duration::seconds(1));
+    let busy: f64 = batches.iter().map(|b| b.duration_ms).sum();
+    Ok(Burst {
+        rows: n,
+        insert_secs,
+        first_ms: ms(first - start),
+        last_ms,
+        rows_per_sec: delivery.distinct as f64 / (last_ms / 1e3),
+        drain_rows_per_sec: delivery.distinct as f64 / (ms(last - first) / 1e3),
+        delivery,
+        left_in_table: env.count_rows().await?,
+        batches: batches.iter().filter(|b| b.fired > 0).count(),
+        mean_batch_ms: busy / batches.len().max(1) as f64,
+        max_batch_ms: batches.iter().map(|b| b.duration_ms).fold(0.0, f64::max),
+        batch_ms: batches.iter().map(|b| b.duration_ms).collect(),
+        busy_fraction: busy / last_ms,
+        complete,
+    })
+}
+
+pub(crate) fn ms(d: chrono::Duration) -> f64 {
+    d.num_microseconds().unwrap_or(i64::MAX) as f64 / 1e3
+}

@@ -1,0 +1,264 @@
+//! The environment: schema, queue, consumer.
+
+use crate::prelude::*;
+use crate::*;
+
+pub(crate) struct Env {
+    pub(crate) schema: String,
+    pub(crate) group: String,
+    pub(crate) queue: String,
+    pub(crate) pool: PgPool,
+    pub(crate) amqp: Connection,
+    pub(crate) inbox: Arc<Inbox>,
+    pub(crate) settings: Settings,
+    /// Schemas of the idle-scan tables, dropped with the main one.
+    pub(crate) idle_schemas: Mutex<Vec<String>>,
+    pub(crate) daemon_bin: PathBuf,
+    pub(crate) amqp_url: String,
+    pub(crate) pg_url: String,
+}
+
+impl Env {
+    pub(crate) async fn setup(args: &Args, daemon_bin: PathBuf) -> Result<Self> {
+        let tag = Uuid::new_v4().simple().to_string()[..10].to_owned();
+        let schema = format!("bench_{tag}");
+        let group = format!("bench-{tag}");
+        let queue = format!("timeoutd-bench-{tag}");
+        let settings = daemon_settings(args, &schema, &group)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(&args.pg_url)
+            .await
+            .context("connecting to Postgres")?;
+        let amqp = bounded(
+            "connect to RabbitMQ",
+            Duration::from_secs(10),
+            Connection::connect(&args.amqp_url, ConnectionProperties::default()),
+        )
+        .await??;
+        let inbox = Arc::new(Inbox::default());
+        let consumer = declare_queue(&amqp, &queue).await?;
+        tokio::spawn(consume(consumer, inbox.clone()));
+        let env = Self {
+            schema,
+            group,
+            queue,
+            pool,
+            amqp,
+            inbox,
+            settings,
+            idle_schemas: Mutex::new(Vec::new()),
+            daemon_bin,
+            amqp_url: args.amqp_url.clone(),
+            pg_url: args.pg_url.clone(),
+        };
+        if let Err(e) = migrate(&env.settings.postgres).await {
+            env.cleanup().await;
+            return Err(e.context("creating the schema"));
+        }
+        Ok(env)
+    }
+
+    /// The daemon's environment: isolated schema and group, a free HTTP port.
+    pub(crate) fn daemon_env(&self) -> Vec<(String, String)> {
+        overrides(&self.amqp_url, &self.pg_url, &self.schema, &self.group)
+    }
+
+    pub(crate) fn table(&self) -> String {
+        format!("{}.expected_messages", self.schema)
+    }
+
+    pub(crate) async fn execute(&self, sql: String) -> Result<u64> {
+        let done = sqlx::query(AssertSqlSafe(sql)).execute(&self.pool).await?;
+        Ok(done.rows_affected())
+    }
+
+    pub(crate) async fn count_rows(&self) -> Result<i64> {
+        let sql = format!("SELECT count(*) FROM {}", self.table());
+        Ok(sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    /// A fresh `expected_messages` in its own schema, made by the daemon's migrations.
+    pub(crate) async fn idle_table(&self, rows: u64) -> Result<String> {
+        let schema = format!("{}_idle_{rows}", self.schema);
+        if let Ok(mut schemas) = self.idle_schemas.lock() {
+            schemas.push(schema.clone());
+        }
+        let mut settings = self.settings.postgres.clone();
+        settings.schema = schema.clone();
+        migrate(&settings).await?;
+        Ok(format!("{schema}.expected_messages"))
+    }
+
+    /// Drop the schemas and the queue; errors are printed, not returned.
+    pub(crate) async fn cleanup(&self) {
+        let mut schemas = vec![self.schema.clone()];
+        if let Ok(idle) = self.idle_schemas.lock() {
+            schemas.extend(idle.iter().cloned());
+        }
+        for schema in schemas {
+            let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
+            if let Err(e) = self.execute(drop).await {
+                eprintln!("warning: could not drop schema {schema}: {e:#}");
+            }
+        }
+        if let Err(e) = self.delete_queue().await {
+            eprintln!("warning: could not delete queue {}: {e:#}", self.queue);
+        }
+        let _ = bounded(
+            "close",
+            Duration::from_secs(5),
+            self.amqp.close(200, "bye".into()),
+        )
+        .await;
+        self.pool.close().await;
+    }
+
+    pub(crate) async fn delete_queue(&self) -> Result<()> {
+        let channel = self.amqp.create_channel().await?;
+        let delete =
+            channel.queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default());
+        bounded("queue delete", Duration::from_secs(5), delete).await??;
+        Ok(())
+    }
+}
+
+/// Create the schema and table exactly as the daemon does (its embedded migrations).
+pub(crate) async fn migrate(settings: &timeoutd::config::Postgres) -> Result<()> {
+    let store = Store::connect(settings)?;
+    let done = bounded("migrate", Duration::from_secs(30), store.migrate()).await;
+    store.close().await;
+    done??;
+    Ok(())
+}
+
+pub(crate) fn overrides(amqp: &str, pg: &str, schema: &str, group: &str) -> Vec<(String, String)> {
+    [
+        ("TIMEOUTD__AMQP__URL", amqp),
+        ("TIMEOUTD__POSTGRES__URL", pg),
+        ("TIMEOUTD__POSTGRES__SCHEMA", schema),
+        ("TIMEOUTD__ELECTION__GROUP", group),
+        ("TIMEOUTD__HTTP__LISTEN", "127.0.0.1:0"),
+        ("TIMEOUTD__LOG__FORMAT", "json"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
+/// The settings the daemon will run with: this process' environment (the child inherits
+/// it, so `TIMEOUTD__SCAN__BATCH_SIZE=…` applies) plus the run's overrides.
+pub(crate) fn daemon_settings(args: &Args, schema: &str, group: &str) -> Result<Settings> {
+    let env = std::env::vars().chain(overrides(&args.amqp_url, &args.pg_url, schema, group));
+    Ok(Settings::load_from(None, env)?)
+}
+
+pub(crate) async fn bounded<T>(
+    what: &str,
+    limit: Duration,
+    fut: impl Future<Output = T>,
+) -> Result<T> {
+    tokio::time::timeout(limit, fut)
+        .await
+        .map_err(|_| anyhow!("{what}: no answer within {limit:?}"))
+}
+
+/// A durable, auto-delete queue (TimeOuts are persistent messages, as in production),
+/// consumed without acks.
+pub(crate) async fn declare_queue(amqp: &Connection, queue: &str) -> Result<Consumer> {
+    let channel = amqp.create_channel().await?;
+    let options = QueueDeclareOptions {
+        durable: true,
+        auto_delete: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await?;
+    let options = BasicConsumeOptions {
+        no_ack: true,
+        ..BasicConsumeOptions::default()
+    };
+    Ok(channel
+        .basic_consume(queue.into(), "bench".into(), options, FieldTable::default())
+        .await?)
+}
+
+/// What the consumer received: `message_id` and wall-clock receipt time.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    pub(crate) got: Mutex<Vec<(Uuid, DateTime<Utc>)>>,
+    pub(crate) count: AtomicUsize,
+}
+
+impl Inbox {
+    pub(crate) fn push(&self, id: Uuid, at: DateTime<Utc>) {
+        if let Ok(mut got) = self.got.lock() {
+            got.push((id, at));
+            self.count.store(got.len(), Ordering::Release);
+        }
+    }
+
+    pub(crate) fn take(&self) -> Vec<(Uuid, DateTime<Utc>)> {
+        let got = self.got.lock().map(|mut g| std::mem::take(&mut *g));
+        self.count.store(0, Ordering::Release);
+        got.unwrap_or_default()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Wait until `n` messages arrived; `false` after `limit`.
+    pub(crate) async fn wait_for(&self, n: usize, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while self.len() < n {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        true
+    }
+}
+
+pub(crate) async fn consume(mut consumer: Consumer, inbox: Arc<Inbox>) {
+    while let Some(Ok(delivery)) = consumer.next().await {
+        let at = Utc::now();
+        let id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .and_then(|s| s.as_str().parse().ok())
+            .unwrap_or(Uuid::nil());
+        inbox.push(id, at);
+    }
+}
+
+/// Distinct ids received, duplicates, and expected ids never received.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(crate) struct Delivery {
+    pub(crate) received: usize,
+    pub(crate) distinct: usize,
+    pub(crate) duplicates: usize,
+    pub(crate) missing: usize,
+}
+
+impl Delivery {
+    pub(crate) fn check(got: &[(Uuid, DateTime<Utc>)], expected: &HashSet<Uuid>) -> Self {
+        let distinct: HashSet<Uuid> = got.iter().map(|(id, _)| *id).collect();
+        Self {
+            received: got.len(),
+            distinct: distinct.len(),
+            duplicates: got.len() - distinct.len(),
+            missing: expected.difference(&distinct).count(),
+        }
+    }
+
+    pub(crate) fn exact(&self, n: usize) -> bool {
+        self.received == n && self.distinct == n && self.duplicates == 0 && self.missing == 0
+    }
+}

@@ -1,0 +1,365 @@
+//! Report.
+
+use crate::prelude::*;
+use crate::*;
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct Memory {
+    pub(crate) idle_before_mib: f64,
+    pub(crate) burst_peak_mib: f64,
+    pub(crate) idle_after_mib: f64,
+}
+
+impl Memory {
+    pub(crate) fn from(before: Mem, peak: Mem, after: Mem) -> Self {
+        Self {
+            idle_before_mib: before.rss as f64 / MIB,
+            burst_peak_mib: peak.hwm as f64 / MIB,
+            idle_after_mib: after.rss as f64 / MIB,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Line {
+    pub(crate) measurement: String,
+    pub(crate) result: String,
+    pub(crate) target: String,
+    /// `None`: no target.
+    pub(crate) pass: Option<bool>,
+}
+
+pub(crate) fn line(measurement: &str, result: String, target: &str, pass: Option<bool>) -> Line {
+    Line {
+        measurement: measurement.to_owned(),
+        result,
+        target: target.to_owned(),
+        pass,
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Meta {
+    pub(crate) started_at: DateTime<Utc>,
+    pub(crate) plan: Plan,
+    pub(crate) cpus: usize,
+    pub(crate) bench_profile: &'static str,
+    pub(crate) daemon: String,
+    pub(crate) daemon_scan_batch_size: u32,
+    pub(crate) daemon_election_tick_ms: u128,
+    pub(crate) daemon_warnings: usize,
+    pub(crate) daemon_stop: String,
+    pub(crate) schema: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Report {
+    pub(crate) meta: Meta,
+    pub(crate) publish: PublishBaseline,
+    pub(crate) delete: DeleteBaseline,
+    pub(crate) burst: Burst,
+    pub(crate) steady: Steady,
+    pub(crate) idle_scan: Vec<IdleScan>,
+    pub(crate) memory: Memory,
+    pub(crate) lines: Vec<Line>,
+}
+
+impl Report {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        env: &Env,
+        plan: &Plan,
+        started_at: DateTime<Utc>,
+        publish: PublishBaseline,
+        delete: DeleteBaseline,
+        burst: Burst,
+        steady: Steady,
+        idle_scan: Vec<IdleScan>,
+        memory: Memory,
+        (daemon_warnings, daemon_stop): (usize, String),
+    ) -> Self {
+        let meta = Meta {
+            started_at,
+            plan: plan.clone(),
+            cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            bench_profile: if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            },
+            daemon: env.daemon_bin.display().to_string(),
+            daemon_scan_batch_size: env.settings.scan.batch_size,
+            daemon_election_tick_ms: env.settings.election.tick.as_millis(),
+            daemon_warnings,
+            daemon_stop,
+            schema: env.schema.clone(),
+        };
+        let mut report = Self {
+            meta,
+            publish,
+            delete,
+            burst,
+            steady,
+            idle_scan,
+            memory,
+            lines: Vec::new(),
+        };
+        report.lines = report.table_lines();
+        report
+    }
+
+    pub(crate) fn table_lines(&self) -> Vec<Line> {
+        let mut lines = self.throughput_lines();
+        lines.extend(self.steady_lines());
+        lines.extend(self.idle_lines());
+        lines.extend(self.memory_lines());
+        lines
+    }
+
+    pub(crate) fn throughput_lines(&self) -> Vec<Line> {
+        let (p, d, b) = (&self.publish, &self.delete, &self.burst);
+        let ratio = b.rows_per_sec / p.rows_per_sec;
+        vec![
+            line(
+                "baseline publish (lapin, confirms, window 500)",
+                format!(
+                    "{} msgs in {:.2} s = {:.0}/s ({} unconfirmed)",
+                    p.rows, p.secs, p.rows_per_sec, p.not_confirmed
+                ),
+                "",
+                None,
+            ),
+            line(
+                "baseline delete (sqlx, DELETE … RETURNING, 500/stmt)",
+                format!(
+                    "{} rows in {:.2} s = {:.0}/s",
+                    d.deleted, d.secs, d.rows_per_sec
+                ),
+                "",
+                None,
+            ),
+            line(
+                "burst: due (T0) → last TimeOut received",
+                format!(
+                    "{} rows in {:.2} s = {:.0}/s",
+                    b.rows,
+                    b.last_ms / 1e3,
+                    b.rows_per_sec
+                ),
+                "",
+                None,
+            ),
+            line(
+                "burst: how the daemon spent it",
+                format!(
+                    "first TimeOut {:.0} ms after T0, first→last {:.0}/s; {} batches, \
+                     mean {:.1} ms, max {:.1} ms; in a batch {:.0}% of the time",
+                    b.first_ms,
+                    b.drain_rows_per_sec,
+                    b.batches,
+                    b.mean_batch_ms,
+                    b.max_batch_ms,
+                    b.busy_fraction * 100.0
+                ),
+                "",
+                None,
+            ),
+            line(
+                "burst / baseline publish",
+                format!("{:.0}%", ratio * 100.0),
+                "≥ 80%",
+                Some(ratio >= 0.8),
+            ),
+            line(
+                "burst: each row exactly once",
+                delivery_text(&b.delivery, b.left_in_table),
+                "= rows, 0 dup",
+                Some(b.delivery.exact(b.rows) && b.left_in_table == 0),
+            ),
+        ]
+    }
+
+    pub(crate) fn steady_lines(&self) -> Vec<Line> {
+        let s = &self.steady;
+        vec![
+            line(
+                &format!("steady {}/s for {} s: lateness p50 / p90", s.rate, s.secs),
+                format!(
+                    "{:.1} ms / {:.1} ms (mean {:.1} ms)",
+                    s.p50_ms, s.p90_ms, s.mean_ms
+                ),
+                "",
+                None,
+            ),
+            line(
+                "steady: lateness p99",
+                format!("{:.1} ms", s.p99_ms),
+                "≤ 20 ms",
+                Some(s.p99_ms <= 20.0),
+            ),
+            line(
+                "steady: lateness max",
+                format!("{:.1} ms", s.max_ms),
+                "≤ 100 ms",
+                Some(s.max_ms <= 100.0),
+            ),
+            line(
+                "steady: each row once, none early",
+                format!(
+                    "{}; {} early; rows inserted ≥ {:.0} ms before due",
+                    delivery_text(&s.delivery, 0),
+                    s.early,
+                    s.min_insert_lead_ms
+                ),
+                "= rows, 0 dup, 0 early",
+                Some(s.delivery.exact(s.rows) && s.early == 0),
+            ),
+        ]
+    }
+
+    pub(crate) fn idle_lines(&self) -> Vec<Line> {
+        let mut lines: Vec<Line> = self
+            .idle_scan
+            .iter()
+            .map(|s| {
+                line(
+                    &format!("idle scan, {} rows not due", human(s.rows)),
+                    format!(
+                        "median {:.3} ms (p90 {:.3}, server {:.3} ms)",
+                        s.median_ms, s.p90_ms, s.explain_ms
+                    ),
+                    "index scan",
+                    Some(s.index_used),
+                )
+            })
+            .collect();
+        if let (Some(small), Some(big)) = (self.idle_scan.first(), self.idle_scan.last()) {
+            let ratio = big.median_ms / small.median_ms;
+            lines.push(line(
+                &format!("idle scan {} vs {}", human(big.rows), human(small.rows)),
+                format!("{ratio:.2}×, {:.3} ms", big.median_ms),
+                "≤ 2× and < 1 ms",
+                Some(ratio <= 2.0 && big.median_ms < 1.0),
+            ));
+        }
+        lines
+    }
+
+    pub(crate) fn memory_lines(&self) -> Vec<Line> {
+        let m = &self.memory;
+        vec![
+            line(
+                "daemon RSS idle, before burst",
+                format!("{:.1} MiB", m.idle_before_mib),
+                "≤ 32 MiB",
+                Some(m.idle_before_mib <= 32.0),
+            ),
+            line(
+                "daemon peak RSS (VmHWM) after burst",
+                format!("{:.1} MiB", m.burst_peak_mib),
+                "≤ 96 MiB",
+                Some(m.burst_peak_mib <= 96.0),
+            ),
+            line(
+                "daemon RSS idle, after steady",
+                format!("{:.1} MiB", m.idle_after_mib),
+                "≤ 32 MiB",
+                Some(m.idle_after_mib <= 32.0),
+            ),
+        ]
+    }
+}
+
+pub(crate) fn delivery_text(d: &Delivery, left: i64) -> String {
+    let mut s = format!(
+        "received {}, distinct {}, dup {}, missing {}",
+        d.received, d.distinct, d.duplicates, d.missing
+    );
+    if left != 0 {
+        s.push_str(&format!(", {left} rows left"));
+    }
+    s
+}
+
+pub(crate) fn human(n: u64) -> String {
+    match n {
+        n if n >= 1_000_000 && n % 1_000_000 == 0 => format!("{}M", n / 1_000_000),
+        n if n >= 1_000 && n % 1_000 == 0 => format!("{}k", n / 1_000),
+        n => n.to_string(),
+    }
+}
+
+pub(crate) fn verdict(pass: Option<bool>) -> &'static str {
+    match pass {
+        Some(true) => "PASS",
+        Some(false) => "FAIL",
+        None => "",
+    }
+}
+
+/// A Markdown table, so it can be pasted as is.
+pub(crate) fn print_table(report: &Report) {
+    let m = &report.meta;
+    println!(
+        "\ntimeoutd-bench {} · {} CPUs · bench {} · daemon: scan.batch_size {}, \
+         election.tick {} ms",
+        m.started_at.format("%Y-%m-%d %H:%M UTC"),
+        m.cpus,
+        m.bench_profile,
+        m.daemon_scan_batch_size,
+        m.daemon_election_tick_ms
+    );
+    let width = |f: fn(&Line) -> usize, head: &str| {
+        report
+            .lines
+            .iter()
+            .map(f)
+            .max()
+            .unwrap_or(0)
+            .max(head.chars().count())
+    };
+    let w0 = width(|l| l.measurement.chars().count(), "measurement");
+    let w1 = width(|l| l.result.chars().count(), "result");
+    let w2 = width(|l| l.target.chars().count(), "target");
+    let row = |a: &str, b: &str, c: &str, d: &str| {
+        println!("| {a:<w0$} | {b:<w1$} | {c:<w2$} | {d:<7} |");
+    };
+    println!();
+    row("measurement", "result", "target", "verdict");
+    row(&"-".repeat(w0), &"-".repeat(w1), &"-".repeat(w2), "-------");
+    for l in &report.lines {
+        row(&l.measurement, &l.result, &l.target, verdict(l.pass));
+    }
+    if m.plan.quick {
+        println!(
+            "\nnote: --quick is a smoke run; a burst this short is dominated by the wait for \
+             the first scan, so its ratio to the baseline means little"
+        );
+    }
+    let failed = report
+        .lines
+        .iter()
+        .filter(|l| l.pass == Some(false))
+        .count();
+    println!(
+        "\n{failed} target(s) missed; daemon warnings/errors logged: {}; daemon stop: {}",
+        m.daemon_warnings, m.daemon_stop
+    );
+    if let Some(big) = report.idle_scan.last() {
+        println!(
+            "\nEXPLAIN (ANALYZE, BUFFERS), {} rows not due:",
+            human(big.rows)
+        );
+        for l in &big.plan {
+            println!("  {l}");
+        }
+    }
+}
+
+pub(crate) fn write_results(out: &Path, report: &Report) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let json = serde_json::to_string_pretty(report)?;
+    std::fs::write(out.join("bench.json"), json).context("writing bench.json")?;
+    std::fs::write(out.join("bench.svg"), svg::chart(report)).context("writing bench.svg")?;
+    Ok(())
+}

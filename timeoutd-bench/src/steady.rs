@@ -1,0 +1,143 @@
+//! Steady.
+
+use crate::prelude::*;
+use crate::*;
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Steady {
+    pub(crate) rate: u32,
+    pub(crate) secs: u64,
+    pub(crate) rows: usize,
+    pub(crate) delivery: Delivery,
+    /// Received before their deadline (a contract violation).
+    pub(crate) early: usize,
+    pub(crate) p50_ms: f64,
+    pub(crate) p90_ms: f64,
+    pub(crate) p99_ms: f64,
+    pub(crate) max_ms: f64,
+    pub(crate) mean_ms: f64,
+    /// Smallest (deadline − insert commit) over all rows: > 0 means every row existed
+    /// before it was due, so lateness is the daemon's.
+    pub(crate) min_insert_lead_ms: f64,
+    pub(crate) histogram: Vec<(String, usize)>,
+    pub(crate) complete: bool,
+}
+
+/// Rows due at `rate`/s for `steady_secs`, inserted through `client::expect` ~1.5 s ahead,
+/// in one transaction every 10 ms; lateness = receipt − deadline.
+pub(crate) async fn steady(env: &Env, daemon: &mut Daemon, plan: &Plan) -> Result<Steady> {
+    let total = plan.rate as usize * plan.steady_secs as usize;
+    let step = 1e6 / f64::from(plan.rate);
+    let first = (Utc::now() + chrono::Duration::from_std(STEADY_LEAD)?).trunc_subsecs(6);
+    let deadline = |k: usize| first + chrono::Duration::microseconds((k as f64 * step) as i64);
+    env.inbox.take();
+    let (deadlines, min_lead) = steady_insert(env, total, deadline).await?;
+    let limit = STEADY_LEAD + Duration::from_secs(30);
+    let complete = env.inbox.wait_for(total, limit).await;
+    daemon.check_alive()?;
+    let got = env.inbox.take();
+    let expected: HashSet<Uuid> = deadlines.keys().copied().collect();
+    let delivery = Delivery::check(&got, &expected);
+    let lateness = lateness_ms(&got, &deadlines);
+    let early = lateness.iter().filter(|l| **l < 0.0).count();
+    Ok(Steady {
+        rate: plan.rate,
+        secs: plan.steady_secs,
+        rows: total,
+        delivery,
+        early,
+        p50_ms: percentile(&lateness, 50.0),
+        p90_ms: percentile(&lateness, 90.0),
+        p99_ms: percentile(&lateness, 99.0),
+        max_ms: lateness.last().copied().unwrap_or(f64::NAN),
+        mean_ms: lateness.iter().sum::<f64>() / lateness.len().max(1) as f64,
+        min_insert_lead_ms: min_lead,
+        histogram: histogram(&lateness),
+        complete,
+    })
+}
+
+/// The inserter: every 10 ms, one transaction with every row due within the lead.
+pub(crate) async fn steady_insert(
+    env: &Env,
+    total: usize,
+    deadline: impl Fn(usize) -> DateTime<Utc>,
+) -> Result<(HashMap<Uuid, DateTime<Utc>>, f64)> {
+    let lead = chrono::Duration::from_std(STEADY_LEAD)?;
+    let mut deadlines = HashMap::with_capacity(total);
+    let mut min_lead = f64::INFINITY;
+    let mut tick = tokio::time::interval(STEADY_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next = 0;
+    while next < total {
+        tick.tick().await;
+        let horizon = Utc::now() + lead;
+        let mut tx = env.pool.begin().await?;
+        let mut batch = Vec::new();
+        while next < total && deadline(next) <= horizon {
+            let e = Expectation::new(&format!("steady-{next}"), "BenchExpected", &env.queue)
+                .due_at(deadline(next))
+                .payload(serde_json::json!({ "k": next }));
+            client::expect(&mut tx, &env.schema, &e).await?;
+            batch.push((e.id, e.timeout_at));
+            next += 1;
+        }
+        tx.commit().await?;
+        let committed = Utc::now();
+        for (id, due) in batch {
+            min_lead = min_lead.min(ms(due - committed));
+            deadlines.insert(id, due);
+        }
+    }
+    Ok((deadlines, min_lead))
+}
+
+/// Sorted lateness of every received id with a known deadline, in milliseconds.
+pub(crate) fn lateness_ms(
+    got: &[(Uuid, DateTime<Utc>)],
+    deadlines: &HashMap<Uuid, DateTime<Utc>>,
+) -> Vec<f64> {
+    let mut late: Vec<f64> = got
+        .iter()
+        .filter_map(|(id, at)| deadlines.get(id).map(|due| ms(*at - *due)))
+        .collect();
+    late.sort_by(f64::total_cmp);
+    late
+}
+
+/// Nearest-rank percentile of sorted values.
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+pub(crate) const BUCKETS_MS: [f64; 11] = [
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 300.0, 500.0, 1000.0,
+];
+
+pub(crate) fn histogram(sorted: &[f64]) -> Vec<(String, usize)> {
+    let mut counts = vec![0; BUCKETS_MS.len() + 1];
+    for v in sorted {
+        let i = BUCKETS_MS
+            .iter()
+            .position(|b| v < b)
+            .unwrap_or(BUCKETS_MS.len());
+        counts[i] += 1;
+    }
+    counts
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| (bucket_label(i), c))
+        .collect()
+}
+
+pub(crate) fn bucket_label(i: usize) -> String {
+    match i {
+        0 => format!("<{}", BUCKETS_MS[0]),
+        i if i == BUCKETS_MS.len() => format!("≥{}", BUCKETS_MS[i - 1]),
+        i => format!("{}–{}", BUCKETS_MS[i - 1], BUCKETS_MS[i]),
+    }
+}

@@ -1,0 +1,246 @@
+//! The client of timeoutd for Rust process managers: register, cancel and move
+//! expectations inside your own sqlx transaction, so the expectation commits or rolls
+//! back with your state; and decode the TimeOuts that arrive ([`TimeOut`]). Small
+//! dependencies only (sqlx's Postgres driver, serde, chrono, uuid): not the daemon.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+//! use std::time::Duration;
+//! use timeoutd_client::{self as client, Expectation};
+//!
+//! let mut tx = pool.begin().await?;
+//! let e = Expectation::new("order-42", "PaymentReceived", "orders.timeouts")
+//!     .due_in(Duration::from_secs(30))
+//!     .payload(serde_json::json!({"order": 42}));
+//! let id = client::expect(&mut tx, "timeoutd", &e).await?;
+//! tx.commit().await?;
+//!
+//! // Later, when PaymentReceived arrives:
+//! let mut tx = pool.begin().await?;
+//! if !client::cancel(&mut tx, "timeoutd", id).await? {
+//!     // Too late: the TimeOut has fired (or is being fired); it carries message_id = id.
+//! }
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! `schema` must be the daemon's `postgres.schema` (a plain identifier, see [`Schema`];
+//! anything else is refused with [`sqlx::Error::Configuration`]).
+
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use sqlx::{AssertSqlSafe, PgConnection};
+use uuid::Uuid;
+
+/// The name of the schema holding `expected_messages`: a plain SQL identifier
+/// (`[a-z_][a-z0-9_]*`, at most 63 bytes), safe to write into a statement. The one
+/// validation of it, for the daemon's `postgres.schema` as for the client calls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schema(String);
+
+/// A schema name that is not a plain identifier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a plain identifier ([a-z_][a-z0-9_]*, at most 63 bytes)")]
+pub struct InvalidSchema(pub String);
+
+impl Schema {
+    pub fn new(name: &str) -> Result<Self, InvalidSchema> {
+        let mut chars = name.chars();
+        let first = chars
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+        let rest = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if first && rest && name.len() <= 63 {
+            Ok(Self(name.to_owned()))
+        } else {
+            Err(InvalidSchema(name.to_owned()))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// `<schema>.expected_messages`.
+    pub fn table(&self) -> String {
+        format!("{}.expected_messages", self.0)
+    }
+}
+
+impl fmt::Display for Schema {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The body of a TimeOut message (`type = "TimeOut"`, `message_id` = `expectation_id`,
+/// `correlation_id` = `process_id`), as a consumer decodes it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TimeOut {
+    pub expectation_id: Uuid,
+    pub process_id: String,
+    pub message_type: String,
+    pub timeout_at: DateTime<Utc>,
+    pub fired_at: DateTime<Utc>,
+    /// The expectation's payload exactly as Postgres printed the jsonb (`null` for none):
+    /// decode it with [`TimeOut::payload`], or keep it raw when it holds numbers or
+    /// nesting your JSON types cannot.
+    pub payload: Box<RawValue>,
+}
+
+impl TimeOut {
+    /// Decode a TimeOut's body.
+    pub fn from_body(body: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(body)
+    }
+
+    /// The payload as `T` (`Option<T>` when it may be null).
+    pub fn payload<T: serde::de::DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_str(self.payload.get())
+    }
+}
+
+/// One expected message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Expectation {
+    pub id: Uuid,
+    pub process_id: String,
+    pub message_type: String,
+    pub timeout_at: DateTime<Utc>,
+    /// `""` is the default exchange.
+    pub exchange: String,
+    pub routing_key: String,
+    pub payload: Option<serde_json::Value>,
+}
+
+impl Expectation {
+    /// Due now, on the default exchange, with a fresh id; adjust with the builders.
+    pub fn new(process_id: &str, message_type: &str, routing_key: &str) -> Self {
+        Self {
+            id: Uuid::new_v4(),
+            process_id: process_id.to_owned(),
+            message_type: message_type.to_owned(),
+            timeout_at: Utc::now(),
+            exchange: String::new(),
+            routing_key: routing_key.to_owned(),
+            payload: None,
+        }
+    }
+
+    pub fn due_in(mut self, after: std::time::Duration) -> Self {
+        self.timeout_at = Utc::now() + chrono::Duration::from_std(after).unwrap_or_default();
+        self
+    }
+
+    pub fn due_at(mut self, at: DateTime<Utc>) -> Self {
+        self.timeout_at = at;
+        self
+    }
+
+    pub fn exchange(mut self, exchange: &str) -> Self {
+        self.exchange = exchange.to_owned();
+        self
+    }
+
+    pub fn payload(mut self, payload: serde_json::Value) -> Self {
+        self.payload = Some(payload);
+        self
+    }
+}
+
+fn table(schema: &str) -> Result<String, sqlx::Error> {
+    Schema::new(schema)
+        .map(|s| s.table())
+        .map_err(|e| sqlx::Error::Configuration(format!("schema {e}").into()))
+}
+
+/// Insert the expectation; returns its id (the TimeOut's `message_id`).
+pub async fn expect(
+    conn: &mut PgConnection,
+    schema: &str,
+    e: &Expectation,
+) -> Result<Uuid, sqlx::Error> {
+    let sql = format!(
+        "INSERT INTO {} (id, process_id, message_type, timeout_at, exchange, routing_key, \
+         payload) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        table(schema)?
+    );
+    sqlx::query(AssertSqlSafe(sql))
+        .bind(e.id)
+        .bind(&e.process_id)
+        .bind(&e.message_type)
+        .bind(e.timeout_at)
+        .bind(&e.exchange)
+        .bind(&e.routing_key)
+        .bind(&e.payload)
+        .execute(conn)
+        .await?;
+    Ok(e.id)
+}
+
+/// Delete the expectation. `true`: cancelled in time. `false`: it is gone already, so
+/// its TimeOut has fired (or is firing right now and will arrive).
+pub async fn cancel(conn: &mut PgConnection, schema: &str, id: Uuid) -> Result<bool, sqlx::Error> {
+    let sql = format!("DELETE FROM {} WHERE id = $1", table(schema)?);
+    let done = sqlx::query(AssertSqlSafe(sql))
+        .bind(id)
+        .execute(conn)
+        .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Move the deadline. `false` means the TimeOut has already fired. Resets the failure
+/// backoff, since the new deadline is a new intent.
+pub async fn reschedule(
+    conn: &mut PgConnection,
+    schema: &str,
+    id: Uuid,
+    timeout_at: DateTime<Utc>,
+) -> Result<bool, sqlx::Error> {
+    let sql = format!(
+        "UPDATE {} SET timeout_at = $2, retry_at = NULL WHERE id = $1",
+        table(schema)?
+    );
+    let done = sqlx::query(AssertSqlSafe(sql))
+        .bind(id)
+        .bind(timeout_at)
+        .execute(conn)
+        .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_are_plain_identifiers() {
+        for ok in ["timeoutd", "_x", "a1_b2"] {
+            assert_eq!(
+                Schema::new(ok).map(|s| s.table()),
+                Ok(format!("{ok}.expected_messages"))
+            );
+        }
+        let long = "a".repeat(64);
+        for bad in ["", "1a", "A", "a-b", "a.b", "a;drop", long.as_str()] {
+            assert!(Schema::new(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_timeout_body_decodes_with_its_payload_raw() {
+        let body = br#"{"expectation_id":"0f1e2d3c-4b5a-4968-8776-a5b4c3d2e1f0","process_id":"p","message_type":"T","timeout_at":"2026-11-21T10:00:30.000000Z","fired_at":"2026-11-21T10:00:30.012345Z","payload":{"big": 1e400}}"#;
+        let t = TimeOut::from_body(body).expect("decodes");
+        assert_eq!(t.process_id, "p");
+        assert_eq!(t.payload.get(), r#"{"big": 1e400}"#);
+        let null = br#"{"expectation_id":"0f1e2d3c-4b5a-4968-8776-a5b4c3d2e1f0","process_id":"p","message_type":"T","timeout_at":"2026-11-21T10:00:30Z","fired_at":"2026-11-21T10:00:30Z","payload":null}"#;
+        let t = TimeOut::from_body(null).expect("decodes");
+        assert_eq!(
+            t.payload::<Option<serde_json::Value>>().expect("null"),
+            None
+        );
+    }
+}
