@@ -40,12 +40,12 @@ const ANNOUNCE_QUEUE_MAX: i64 = 1000;
 pub enum BusError {
     #[error("invalid amqp.url: {0}")]
     Url(String),
-    #[error("cannot read amqp.ca_file {path}: {source}")]
+    #[error("cannot read amqp.ca_file {path}")]
     CaFile {
         path: String,
         source: std::io::Error,
     },
-    #[error("amqp: {0}")]
+    #[error("amqp")]
     Amqp(#[from] lapin::Error),
     #[error("amqp: connection lost")]
     ConnectionLost,
@@ -191,8 +191,8 @@ impl Bus {
 /// Open the connection: URL parsed by lapin, heartbeat defaulted, TLS roots extended
 /// with `ca_file` for amqps://.
 async fn open(settings: &config::Amqp, name: &str) -> Result<Connection, BusError> {
-    let mut uri = AMQPUri::from_str(&settings.url)
-        .map_err(|e| BusError::Url(format!("{e}: {}", config::redact_url(&settings.url))))?;
+    let mut uri = AMQPUri::from_str(settings.url.expose())
+        .map_err(|e| BusError::Url(format!("{e}: {}", settings.url.redacted())))?;
     uri.query.heartbeat.get_or_insert(DEFAULT_HEARTBEAT_SECS);
     let tls = OwnedTLSConfig {
         identity: None,

@@ -9,6 +9,10 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::election::Timing;
 
+mod secret_url;
+pub use secret_url::SecretUrl;
+use secret_url::redact_url;
+
 /// The defaults shipped with the binary; the same file documents every key.
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 
@@ -17,8 +21,16 @@ pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 pub enum ConfigError {
     #[error("invalid configuration: {key}: {reason}")]
     Invalid { key: String, reason: String },
+    /// The file or the environment could not be read into settings (the config crate's
+    /// message names the key): its text is ours, not a source to print twice.
     #[error("invalid configuration: {0}")]
-    Load(#[from] config::ConfigError),
+    Load(config::ConfigError),
+}
+
+impl From<config::ConfigError> for ConfigError {
+    fn from(e: config::ConfigError) -> Self {
+        Self::Load(e)
+    }
 }
 
 impl ConfigError {
@@ -30,7 +42,7 @@ impl ConfigError {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     pub amqp: Amqp,
@@ -43,7 +55,7 @@ pub struct Settings {
     pub shutdown: Shutdown,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Backoff {
     #[serde(with = "humantime_serde")]
@@ -52,12 +64,12 @@ pub struct Backoff {
     pub max: Duration,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Amqp {
-    pub url: String,
+    pub url: SecretUrl,
     pub announce_exchange: String,
-    #[serde(deserialize_with = "optional_path")]
+    #[serde(deserialize_with = "optional_path", serialize_with = "ser_opt_path")]
     pub ca_file: Option<PathBuf>,
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
@@ -68,13 +80,13 @@ pub struct Amqp {
     pub max_message_size: bytesize::ByteSize,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Postgres {
-    pub url: String,
+    pub url: SecretUrl,
     pub schema: String,
     pub migrate_on_start: bool,
-    #[serde(deserialize_with = "optional_path")]
+    #[serde(deserialize_with = "optional_path", serialize_with = "ser_opt_path")]
     pub ca_file: Option<PathBuf>,
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
@@ -83,7 +95,7 @@ pub struct Postgres {
     pub max_connections: u32,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Election {
     pub group: String,
@@ -99,7 +111,7 @@ pub struct Election {
     pub max_lag_exit: Option<Duration>,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scan {
     pub batch_size: u32,
@@ -110,7 +122,7 @@ pub struct Scan {
     pub retry_max: Duration,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Http {
     pub listen: String,
@@ -123,13 +135,13 @@ pub enum LogFormat {
     Json,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Log {
     pub format: LogFormat,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Shutdown {
     #[serde(with = "humantime_serde")]
@@ -152,6 +164,16 @@ fn ser_opt_dur<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok
         Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
         None => s.serialize_str(""),
     }
+}
+
+/// "" is how the contract spells "unset", both ways.
+fn ser_opt_path<S: serde::Serializer>(p: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(
+        &p.as_deref()
+            .map(Path::display)
+            .map(|p| p.to_string())
+            .unwrap_or_default(),
+    )
 }
 
 fn optional_path<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
@@ -196,10 +218,10 @@ impl Settings {
 
     /// Every rule a value must meet, each refusal naming its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        check_url("amqp.url", &self.amqp.url, &["amqp", "amqps"])?;
+        check_url("amqp.url", self.amqp.url.expose(), &["amqp", "amqps"])?;
         check_url(
             "postgres.url",
-            &self.postgres.url,
+            self.postgres.url.expose(),
             &["postgres", "postgresql"],
         )?;
         check_name("amqp.announce_exchange", &self.amqp.announce_exchange)?;
@@ -353,38 +375,6 @@ impl Settings {
             .parse()
             .map_err(|e| ConfigError::invalid("http.listen", format!("not a host:port ({e})")))
     }
-
-    /// The settings with every password replaced, fit for logs and `check-config`.
-    pub fn redacted(&self) -> Settings {
-        let mut s = self.clone();
-        s.amqp.url = redact_url(&s.amqp.url);
-        s.postgres.url = redact_url(&s.postgres.url);
-        s
-    }
-}
-
-/// Replace the password of a URL (and a `password=` query parameter) with `***`.
-pub fn redact_url(raw: &str) -> String {
-    let Ok(mut url) = url::Url::parse(raw) else {
-        return "<unparseable url>".to_owned();
-    };
-    if url.password().is_some() {
-        let _ = url.set_password(Some("***"));
-    }
-    let pairs: Vec<(String, String)> = url
-        .query_pairs()
-        .map(|(k, v)| {
-            let secret = k.eq_ignore_ascii_case("password");
-            (
-                k.into_owned(),
-                if secret { "***".into() } else { v.into_owned() },
-            )
-        })
-        .collect();
-    if !pairs.is_empty() {
-        url.query_pairs_mut().clear().extend_pairs(pairs);
-    }
-    url.to_string()
 }
 
 fn check_url(key: &str, raw: &str, schemes: &[&str]) -> Result<(), ConfigError> {

@@ -27,6 +27,7 @@ pub use crate::shutdown::Exit;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{Probe, Snapshot};
 use crate::store::Store;
+use crate::telemetry::Chain;
 
 /// A running daemon.
 pub struct Handle {
@@ -159,7 +160,7 @@ async fn first_to_end(
             Exit::Failed
         }
         Some(Ok((task, Err(e)))) => {
-            tracing::error!(?task, error = %e, "task failed: stopping the node");
+            tracing::error!(?task, error = %Chain(&e), "task failed: stopping the node");
             Exit::Failed
         }
         Some(Err(e)) => {
@@ -217,7 +218,7 @@ async fn migrate(settings: &Settings, store: &Store, stop: &CancellationToken) -
             Ok(()) => return true,
             Err(e) => {
                 let delay = backoff.next_delay();
-                tracing::error!(error = %e, retry_in = ?delay, "migrations failed");
+                tracing::error!(error = %Chain(&e), retry_in = ?delay, "migrations failed");
                 if !sleep_or_stop(stop, delay).await {
                     return false;
                 }

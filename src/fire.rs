@@ -44,7 +44,7 @@ pub enum ScanError {
     Store(#[from] StoreError),
     /// The batch published, then could not settle or commit: its confirmed rows are
     /// remembered and deleted later.
-    #[error("batch not committed after publishing ({fired} TimeOuts confirmed): {source}")]
+    #[error("batch not committed after publishing ({fired} TimeOuts confirmed)")]
     Commit {
         fired: usize,
         #[source]

@@ -20,6 +20,7 @@ use crate::health::{Check, Health};
 use crate::metrics::Metrics;
 use crate::shutdown::{Exit, sleep_or_stop};
 use crate::status::{MemberStatus, Probe};
+use crate::telemetry::Chain;
 use crate::telemetry::LogLimiter;
 use crate::wire::announcement::{Announcement, Rejected};
 
@@ -131,7 +132,7 @@ impl NodeLoop {
                 }
                 Err(e) => {
                     let delay = backoff.next_delay();
-                    tracing::error!(error = %e, retry_in = ?delay, "cannot connect to RabbitMQ");
+                    tracing::error!(error = %Chain(&e), retry_in = ?delay, "cannot connect to RabbitMQ");
                     if !sleep_or_stop(&self.ctx.stop, delay).await {
                         return None;
                     }
@@ -159,7 +160,7 @@ impl NodeLoop {
                 heard = announcements.next() => match heard {
                     Some(Ok(a)) => self.receive(a),
                     Some(Err(e)) => {
-                        tracing::error!(error = %e, "announcement consumer failed");
+                        tracing::error!(error = %Chain(&e), "announcement consumer failed");
                         return Ended::BusLost;
                     }
                     None => {
@@ -253,7 +254,7 @@ impl NodeLoop {
                     .announce(&msg, self.ctx.settings.election.member_ttl)
                     .await
                 {
-                    tracing::error!(error = %e, "cannot announce");
+                    tracing::error!(error = %Chain(&e), "cannot announce");
                     return false;
                 }
                 self.metrics().announced();

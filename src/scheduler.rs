@@ -20,6 +20,7 @@ use crate::health::{Check, Health};
 use crate::shutdown::sleep_or_stop;
 use crate::status::{Probe, ScanStatus};
 use crate::store::Store;
+use crate::telemetry::Chain;
 
 /// How often the per-batch activity is summarised at info level.
 const SUMMARY_EVERY: Duration = Duration::from_secs(1);
@@ -86,7 +87,7 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
                     }
                     Err(e) => {
                         let delay = backoff.next_delay();
-                        tracing::error!(error = %e, retry_in = ?delay, "scan failed");
+                        tracing::error!(error = %Chain(&e), retry_in = ?delay, "scan failed");
                         shared.probe.update(|s| s.database_ok = Some(false));
                         delay
                     }
@@ -116,7 +117,7 @@ async fn settle_leftovers(scanner: &Scanner, store: &crate::store::Store) {
             )
         }
         Err(e) => {
-            tracing::warn!(error = %e, "cannot delete the fired rows of an uncommitted batch yet")
+            tracing::warn!(error = %Chain(&e), "cannot delete the fired rows of an uncommitted batch yet")
         }
     }
 }
@@ -196,7 +197,7 @@ async fn listen(shared: Arc<Firing>, wake: Arc<Notify>) {
             Ok(l) => l,
             Err(e) => {
                 let delay = backoff.next_delay();
-                tracing::warn!(error = %e, retry_in = ?delay, "cannot LISTEN; scanning every tick meanwhile");
+                tracing::warn!(error = %Chain(&e), retry_in = ?delay, "cannot LISTEN; scanning every tick meanwhile");
                 if !sleep_or_stop(&shared.stop, delay).await {
                     return;
                 }
@@ -214,7 +215,7 @@ async fn listen(shared: Arc<Firing>, wake: Arc<Notify>) {
                 // Reconnected: notifications in the gap are lost, so look once now.
                 Ok(None) => wake.notify_one(),
                 Err(e) => {
-                    tracing::warn!(error = %e, "LISTEN connection failed");
+                    tracing::warn!(error = %Chain(&e), "LISTEN connection failed");
                     shared.health.fail(Check::Listen, Instant::now());
                     break;
                 }
@@ -265,7 +266,7 @@ fn record(shared: &Firing, outcome: &BatchOutcome, summary: &mut Summary) {
     }
     match &outcome.bus_trouble {
         Some(e) => {
-            tracing::warn!(error = %e, untouched = outcome.untouched, "publishing failed under the batch");
+            tracing::warn!(error = %Chain(e), untouched = outcome.untouched, "publishing failed under the batch");
             shared.health.fail(Check::Publish, Instant::now());
         }
         None => shared.health.pass(Check::Publish),

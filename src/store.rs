@@ -18,11 +18,11 @@ use crate::config;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("invalid postgres.url: {0}")]
+    #[error("invalid postgres.url")]
     Url(#[source] sqlx::Error),
-    #[error("database: {0}")]
+    #[error("database")]
     Db(#[from] sqlx::Error),
-    #[error("migration: {0}")]
+    #[error("migration")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database: no answer within {0:?}")]
     NoAnswer(Duration),
@@ -585,7 +585,7 @@ fn connect_options(
     // trigger) gives up early and is retried later; the scan itself never waits for row
     // locks (SKIP LOCKED).
     let lock_timeout = (settings.statement_timeout / 4).min(Duration::from_secs(1));
-    let mut options = PgConnectOptions::from_str(&settings.url)
+    let mut options = PgConnectOptions::from_str(settings.url.expose())
         .map_err(StoreError::Url)?
         .application_name(name)
         .options([

@@ -20,6 +20,22 @@ pub fn init(format: LogFormat) {
     };
 }
 
+/// An error with its causes, each once (`error: cause: cause`), for log fields: the
+/// error types here keep their cause in `source()`, not in their own text.
+pub(crate) struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(e) = cause {
+            write!(f, ": {e}")?;
+            cause = e.source();
+        }
+        Ok(())
+    }
+}
+
 /// Lets one event through per `every`; counts the ones it held back.
 #[derive(Debug)]
 pub struct LogLimiter {
@@ -55,6 +71,22 @@ impl LogLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each cause printed once, by the log helper and by anyhow's `{:#}` at the edges.
+    #[test]
+    fn an_error_chain_names_each_cause_once() {
+        let e = crate::store::StoreError::Db(sqlx::Error::PoolTimedOut);
+        let cause = sqlx::Error::PoolTimedOut.to_string();
+        let expected = format!("database: {cause}");
+        assert_eq!(Chain(&e).to_string(), expected);
+        assert_eq!(format!("{:#}", anyhow::Error::new(e)), expected);
+        let scan = crate::fire::ScanError::Commit {
+            fired: 3,
+            source: crate::store::StoreError::NoAnswer(std::time::Duration::from_secs(1)),
+        };
+        let text = Chain(&scan).to_string();
+        assert_eq!(text.matches("no answer").count(), 1, "{text}");
+    }
 
     #[test]
     fn limiter_lets_one_through_per_period_and_counts_the_rest() {

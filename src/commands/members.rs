@@ -63,7 +63,7 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
                 Some(Ok(Ok(a))) => record(&mut seen, a, me),
                 // Junk on the group's routing key: the members command ignores it.
                 Some(Ok(Err(_))) => {}
-                Some(Err(e)) => anyhow::bail!("consumer failed: {e}"),
+                Some(Err(e)) => return Err(anyhow::Error::new(e).context("consumer failed")),
                 None => anyhow::bail!("consumer cancelled"),
             },
         }

@@ -57,25 +57,10 @@ async fn migrate(settings: &Settings) -> anyhow::Result<ExitCode> {
 }
 
 fn check_config(settings: &Settings) -> anyhow::Result<ExitCode> {
-    let shown = toml_string(&settings.redacted())?;
+    // Passwords are redacted by the URL type itself.
+    let shown = toml::to_string(settings).context("printing the settings as TOML")?;
     println!("# configuration is valid\n{shown}");
     Ok(ExitCode::SUCCESS)
-}
-
-fn toml_string(settings: &Settings) -> anyhow::Result<String> {
-    let value = serde_json::to_value(settings)?;
-    let mut out = String::new();
-    if let serde_json::Value::Object(sections) = value {
-        for (section, keys) in sections {
-            out.push_str(&format!("\n[{section}]\n"));
-            if let serde_json::Value::Object(keys) = keys {
-                for (k, v) in keys {
-                    out.push_str(&format!("{k} = {v}\n"));
-                }
-            }
-        }
-    }
-    Ok(out)
 }
 
 async fn expect(settings: &Settings, args: ExpectArgs) -> anyhow::Result<ExitCode> {

@@ -9,7 +9,7 @@ use crate::config::Settings;
 use crate::daemon::{self, Exit};
 
 pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
-    tracing::info!(config = ?settings.redacted(), "configuration");
+    tracing::info!(config = ?settings, "configuration");
     let shutdown = CancellationToken::new();
     let handle = daemon::start(settings, shutdown.clone()).await?;
     let signals = tokio::spawn(cancel_on_signal(shutdown));
