@@ -1,5 +1,7 @@
-//! Firing: one transactional batch: lock due rows → publish their TimeOuts → one fate per
-//! row → delete the confirmed rows, charge the failed ones → commit.
+//! Firing: one transactional batch: lock due rows → publish their messages → one fate
+//! per row → delete the confirmed rows, charge the failed ones → commit. The script is
+//! the same for every kind of due row ([`kind::Kind`]: an expectation that becomes a
+//! TimeOut, a stored message to deliver).
 //!
 //! The transaction is what makes a row fire once: its rows stay locked (and invisible to
 //! other scanners through SKIP LOCKED) from the moment they are read until the commit.
@@ -21,8 +23,12 @@ use crate::backoff;
 use crate::bus::{Budget, Bus, BusError, Fate, PublishError, ToPublish};
 use crate::election::Lease;
 use crate::health::{Check, Health};
-use crate::store::{DueRow, Failure, Fired, Settlement, Store, StoreError};
-use crate::wire::{self, Message};
+use crate::store::{Failure, Fired, Settlement, Store, StoreError, Table};
+use crate::wire::Message;
+
+pub mod kind;
+
+pub use kind::{Due, Expectations, Kind};
 
 /// Rows remembered per kind of memory (suspects, rows to skip, rows to delete later):
 /// beyond this the oldest are forgotten, which costs at most a second TimeOut.
@@ -102,8 +108,8 @@ struct Memory {
     suspects: HashMap<Uuid, u8>,
     /// Rows whose bookkeeping the database refused: not retried before the instant.
     skip: HashMap<Uuid, Instant>,
-    /// Confirmed rows of batches that failed to commit: to delete.
-    leftovers: Vec<Fired>,
+    /// Confirmed rows of batches that failed to commit, with their table: to delete.
+    leftovers: Vec<(Table, Fired)>,
 }
 
 impl Scanner {
@@ -137,7 +143,7 @@ impl Scanner {
     /// Run one batch. `lease` is asked right before publishing: anything but `Held` rolls
     /// back (nothing has been sent yet). `stop` ends publishing early; what was sent is
     /// still awaited and committed.
-    pub async fn run_batch(
+    pub async fn run_batch<K: Kind>(
         &self,
         store: &Store,
         bus: &Bus,
@@ -148,10 +154,11 @@ impl Scanner {
         let skip = self.skipped();
         let locked = self.db(self.db_bound, async {
             let mut tx = store.begin().await?;
-            let mut rows = store
-                .lock_due(&mut tx, self.batch_size, INLINE_PAYLOAD, &skip)
+            let mut rows =
+                K::lock_due(store, &mut tx, self.batch_size, INLINE_PAYLOAD, &skip).await?;
+            let deferred = self
+                .fetch_large_payloads::<K>(store, &mut tx, &mut rows)
                 .await?;
-            let deferred = self.fetch_large_payloads(store, &mut tx, &mut rows).await?;
             Ok((tx, rows, deferred))
         });
         let (mut tx, rows, deferred) = locked.await?;
@@ -168,12 +175,12 @@ impl Scanner {
             return Ok(outcome);
         }
         let budget = self.budget_from(started, stop);
-        let judged = self.publish(bus, &rows, &budget).await;
+        let judged = self.publish::<K>(bus, &rows, &budget).await;
         outcome.bus_trouble = judged.trouble;
         // From here on the batch commits: the broker may have confirmed TimeOuts.
         let settle = self.db(self.db_bound * 2, async {
             let settled = store
-                .settle(&mut tx, &judged.fired, &judged.failures)
+                .settle(&mut tx, K::TABLE, &judged.fired, &judged.failures)
                 .await?;
             tx.commit().await?;
             Ok(settled)
@@ -182,14 +189,14 @@ impl Scanner {
         let settled = match settle.await {
             Ok(s) => s,
             Err(source) => {
-                self.remember_later(fired);
+                self.remember_later(K::TABLE, fired);
                 return Err(ScanError::Commit {
                     fired: judged.fired.len(),
                     source,
                 });
             }
         };
-        self.report(&settled, &fired);
+        self.report(K::TABLE, &settled, &fired);
         outcome.fired = judged.fired.len();
         outcome.failed = judged.failures.len();
         outcome.untouched += judged.untouched;
@@ -205,38 +212,48 @@ impl Scanner {
     /// Returns how many rows were settled.
     pub async fn settle_leftovers(&self, store: &Store) -> Result<usize, StoreError> {
         let leftovers = std::mem::take(&mut self.memory().leftovers);
-        if leftovers.is_empty() {
-            return Ok(0);
+        let mut by_table: HashMap<Table, Vec<Fired>> = HashMap::new();
+        for (table, fired) in leftovers {
+            by_table.entry(table).or_default().push(fired);
         }
-        match self
-            .db(self.db_bound * 2, store.delete_fired(&leftovers))
-            .await
-        {
-            Ok(settled) => {
-                self.report(&settled, &leftovers);
-                Ok(leftovers.len() - settled.later.len())
+        let mut settled = 0;
+        let mut failed = None;
+        for (table, fired) in by_table {
+            if failed.is_some() {
+                self.remember_later(table, fired);
+                continue;
             }
-            Err(e) => {
-                self.remember_later(leftovers);
-                Err(e)
+            match self
+                .db(self.db_bound * 2, store.delete_fired(table, &fired))
+                .await
+            {
+                Ok(s) => {
+                    self.report(table, &s, &fired);
+                    settled += fired.len() - s.later.len();
+                }
+                Err(e) => {
+                    self.remember_later(table, fired);
+                    failed = Some(e);
+                }
             }
         }
+        failed.map_or(Ok(settled), Err)
     }
 
     /// Act on what `settle` could not do the fast way (`fired`: the confirmed rows it
     /// was given): log parked rows, keep busy ones for a later delete, hold back rows
     /// whose bookkeeping could not be written.
-    fn report(&self, settled: &Settlement, fired: &[Fired]) {
+    fn report(&self, table: Table, settled: &Settlement, fired: &[Fired]) {
         for (id, why) in &settled.parked {
             tracing::error!(%id, "{why}; parked (it will not fire again; delete it by hand)");
         }
         let later = fired.iter().filter(|f| settled.later.contains(&f.id));
-        self.remember_later(later.copied().collect());
+        self.remember_later(table, later.copied().collect());
         let mut memory = self.memory();
         let now = Instant::now();
         for (id, why) in &settled.stuck {
-            tracing::error!(%id, "TimeOut delivered, but the row can be neither deleted nor \
-                parked ({why}); this node will not publish it again");
+            tracing::error!(%id, "delivered, but the row can be neither deleted nor parked \
+                ({why}); this node will not publish it again");
             memory.skip.insert(*id, now + STUCK_HOLD);
         }
         for (id, why) in &settled.uncharged {
@@ -253,16 +270,16 @@ impl Scanner {
     /// stay locked but unpublished (the next batch takes them first). Returns how many
     /// rows were left out. Payloads over `amqp.max_message_size` are not fetched at all:
     /// those rows fail as too large.
-    async fn fetch_large_payloads(
+    async fn fetch_large_payloads<K: Kind>(
         &self,
         store: &Store,
         tx: &mut sqlx::PgConnection,
-        rows: &mut Vec<DueRow>,
+        rows: &mut Vec<K::Row>,
     ) -> Result<usize, StoreError> {
         let mut held = 0;
         let mut deferred = Vec::new();
         for (i, row) in rows.iter_mut().enumerate() {
-            let Some(size) = row.payload_withheld() else {
+            let Some(size) = row.withheld() else {
                 continue;
             };
             if size > self.max_message_size {
@@ -272,7 +289,7 @@ impl Scanner {
                 deferred.push(i);
                 continue;
             }
-            row.payload = store.payload(tx, row.id).await?;
+            K::fetch_withheld(store, tx, row).await?;
             held += size;
         }
         for i in deferred.iter().rev() {
@@ -292,41 +309,42 @@ impl Scanner {
         }
     }
 
-    /// Build every row's TimeOut, publish them, and sort the rows by fate.
-    async fn publish(&self, bus: &Bus, rows: &[DueRow], budget: &Budget) -> Judged {
+    /// Build every row's message, publish them, and sort the rows by fate.
+    async fn publish<K: Kind>(&self, bus: &Bus, rows: &[K::Row], budget: &Budget) -> Judged {
         let mut judged = Judged::default();
         let mut sendable = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
         {
             let memory = self.memory();
             for row in rows {
-                match self.timeout(row) {
+                match self.message::<K>(row) {
                     Ok(message) => {
-                        let alone = memory.suspects.contains_key(&row.id);
+                        let alone = memory.suspects.contains_key(&row.id());
                         sendable.push(row);
                         messages.push(ToPublish { message, alone });
                     }
-                    Err(e) => judged.fail(self.failure(row, &e)),
+                    Err(e) => judged.fail(self.failure::<K>(row, &e)),
                 }
             }
         }
         let published = bus.publish_batch(&messages, budget).await;
         judged.trouble = published.trouble;
         for ((row, m), fate) in sendable.iter().zip(&messages).zip(published.fates) {
-            self.judge(row, m.alone, fate, &mut judged);
+            self.judge::<K>(*row, m.alone, fate, &mut judged);
         }
         judged
     }
 
-    fn judge(&self, row: &DueRow, alone: bool, fate: Fate, judged: &mut Judged) {
-        let fate = self.note_suspect(row.id, alone, fate);
+    fn judge<K: Kind>(&self, row: &K::Row, alone: bool, fate: Fate, judged: &mut Judged) {
+        let fate = self.note_suspect(row.id(), alone, fate);
         match fate {
-            Fate::Confirmed => judged.fired.push(row.id),
-            Fate::Failed(e) => judged.fail(self.failure(row, &e)),
+            Fate::Confirmed => judged.fired.push(row.id()),
+            Fate::Failed(e) => judged.fail(self.failure::<K>(row, &e)),
             Fate::Unsent => judged.untouched += 1,
             Fate::Unknown(why) => {
-                tracing::warn!(id = %row.id, "TimeOut may or may not have been delivered \
-                    (channel closed before its confirm: {why}); it will be sent again, alone");
+                tracing::warn!(id = %row.id(), kind = K::NAME, "message may or may not have \
+                    been delivered (channel closed before its confirm: {why}); it will be \
+                    sent again, alone");
                 judged.untouched += 1;
             }
         }
@@ -352,15 +370,16 @@ impl Scanner {
         Fate::Failed(PublishError::Channel(why))
     }
 
-    fn failure(&self, row: &DueRow, error: &PublishError) -> (Failure, &'static str) {
-        let attempts = u32::try_from(row.attempts).unwrap_or(0);
+    fn failure<K: Kind>(&self, row: &K::Row, error: &PublishError) -> (Failure, &'static str) {
+        let attempts = u32::try_from(row.attempts()).unwrap_or(0);
+        let (exchange, routing_key) = row.destination();
         tracing::warn!(
-            id = %row.id, exchange = %row.exchange, routing_key = %row.routing_key,
+            id = %row.id(), kind = K::NAME, exchange, routing_key,
             attempts = attempts.saturating_add(1), reason = error.reason(),
-            "TimeOut not published: {error}"
+            "{} not published: {error}", K::MESSAGE
         );
         let failure = Failure {
-            id: row.id,
+            id: row.id(),
             error: error.to_string(),
             delay: backoff::exponential(self.retry_min, self.retry_max, attempts),
         };
@@ -368,9 +387,11 @@ impl Scanner {
     }
 
     /// Confirmed rows not yet deleted: `settle_leftovers` deletes them.
-    fn remember_later(&self, fired: Vec<Fired>) {
+    fn remember_later(&self, table: Table, fired: Vec<Fired>) {
         let mut memory = self.memory();
-        memory.leftovers.extend(fired);
+        memory
+            .leftovers
+            .extend(fired.into_iter().map(|f| (table, f)));
         memory.leftovers.truncate(MEMORY);
     }
 
@@ -386,15 +407,15 @@ impl Scanner {
         self.memory.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The contract's TimeOut for one row.
-    fn timeout(&self, row: &DueRow) -> Result<Message, PublishError> {
-        if let Some(size) = row.payload_withheld() {
+    /// The message of one row; content left in the database here is too large.
+    fn message<K: Kind>(&self, row: &K::Row) -> Result<Message, PublishError> {
+        if let Some(size) = row.withheld() {
             return Err(PublishError::TooLarge {
                 size,
                 max: self.max_message_size,
             });
         }
-        wire::timeout::timeout(row, self.node_id).map_err(|e| PublishError::Invalid(e.0))
+        K::message(row, self.node_id).map_err(|e| PublishError::Invalid(e.0))
     }
 }
 
@@ -415,13 +436,13 @@ impl Judged {
     }
 }
 
-fn fired_rows(rows: &[DueRow], fired: &[Uuid]) -> Vec<Fired> {
+fn fired_rows<R: Due>(rows: &[R], fired: &[Uuid]) -> Vec<Fired> {
     let fired: HashSet<&Uuid> = fired.iter().collect();
     rows.iter()
-        .filter(|r| fired.contains(&r.id))
+        .filter(|r| fired.contains(&r.id()))
         .map(|r| Fired {
-            id: r.id,
-            timeout_at: r.timeout_at,
+            id: r.id(),
+            deadline: r.deadline(),
         })
         .collect()
 }
@@ -437,10 +458,10 @@ async fn bounded<T>(
         .unwrap_or(Err(StoreError::NoAnswer(limit)))
 }
 
-fn lateness(rows: &[DueRow], fired: &[Uuid]) -> Vec<Duration> {
+fn lateness<R: Due>(rows: &[R], fired: &[Uuid]) -> Vec<Duration> {
     let fired: HashSet<&Uuid> = fired.iter().collect();
     rows.iter()
-        .filter(|r| fired.contains(&r.id))
-        .map(|r| (r.fired_at - r.timeout_at).to_std().unwrap_or_default())
+        .filter(|r| fired.contains(&r.id()))
+        .map(|r| (r.fired_at() - r.deadline()).to_std().unwrap_or_default())
         .collect()
 }

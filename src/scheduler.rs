@@ -15,7 +15,7 @@ use crate::backoff::Backoff;
 use crate::bus::Bus;
 use crate::config::Settings;
 use crate::election::{Lease, LeaseView, Role};
-use crate::fire::{BatchOutcome, ScanError, Scanner};
+use crate::fire::{BatchOutcome, Expectations, ScanError, Scanner};
 use crate::health::{Check, Health};
 use crate::shutdown::sleep_or_stop;
 use crate::status::{Probe, ScanStatus};
@@ -238,8 +238,9 @@ async fn drain(
     let mut locked = 0;
     loop {
         settle_leftovers(scanner, &shared.store).await;
-        let round = (0..parallel)
-            .map(|_| scanner.run_batch(&shared.store, bus, || shared.lease(), &shared.stop));
+        let round = (0..parallel).map(|_| {
+            scanner.run_batch::<Expectations>(&shared.store, bus, || shared.lease(), &shared.stop)
+        });
         let mut full = false;
         let mut lost = false;
         for outcome in futures_util::future::join_all(round).await {

@@ -1,8 +1,11 @@
 //! Postgres: connection pool, embedded migrations, and the statements of the scan.
 //!
-//! Every statement names `<schema>.expected_messages`; the schema is a validated plain
-//! identifier (see `config`), so formatting it into SQL is safe. The statements are built
-//! once per store so sqlx's per-connection statement cache prepares each of them once.
+//! A kind of due row lives in a [`Table`]; the writes of the firing transaction (delete,
+//! charge, park, delete-if-unchanged) are the same statements for every table. Every
+//! statement names `<schema>.<table>`; the schema is a validated plain identifier (see
+//! `config`) and the table a constant, so formatting them into SQL is safe. The
+//! statements are built once per store so sqlx's per-connection statement cache prepares
+//! each of them once.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -26,6 +29,8 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database: no answer within {0:?}")]
     NoAnswer(Duration),
+    #[error("no statements for table {0}")]
+    UnknownTable(&'static str),
 }
 
 /// One due row, locked by the scan's transaction.
@@ -66,13 +71,30 @@ pub struct Failure {
     pub delay: Duration,
 }
 
-/// A row whose TimeOut was confirmed but whose batch did not commit: it is deleted
+/// A row whose message was confirmed but whose batch did not commit: it is deleted
 /// later if it still has the deadline it was fired for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fired {
     pub id: Uuid,
-    pub timeout_at: DateTime<Utc>,
+    pub deadline: DateTime<Utc>,
 }
+
+/// A table of due rows: its name and the column holding the deadline. Everything the
+/// firing transaction writes is the same for every such table (see [`Writes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Table {
+    name: &'static str,
+    deadline: &'static str,
+}
+
+/// The process manager's expectations (contract section 2).
+pub const EXPECTATIONS: Table = Table {
+    name: "expected_messages",
+    deadline: "timeout_at",
+};
+
+/// Every table the scan fires from.
+const TABLES: [Table; 1] = [EXPECTATIONS];
 
 /// What [`Store::settle`] could not do the fast way.
 #[derive(Debug, Default)]
@@ -137,70 +159,81 @@ pub enum PendingFilter {
     Failing,
 }
 
-/// Due means: the deadline has passed and so has any retry time (`greatest` ignores
-/// NULL). The expression index of migration 0003 serves exactly this expression.
-const DUE_AT: &str = "greatest(m.timeout_at, m.retry_at)";
-/// Clamped so '-infinity' / 'infinity' deadlines still decode (and fire, if due).
-const DEADLINE: &str = "least(greatest(m.timeout_at, '0001-01-01T00:00:00Z'), \
-                        '9999-12-31T23:59:59Z')";
+impl Table {
+    /// Due means: the deadline has passed and so has any retry time (`greatest` ignores
+    /// NULL). The expression index of migration 0003 serves exactly this expression.
+    fn due_at(&self) -> String {
+        format!("greatest(m.{}, m.retry_at)", self.deadline)
+    }
+
+    /// The deadline clamped so '-infinity' / 'infinity' still decode (and fire, if due).
+    fn deadline(&self) -> String {
+        format!(
+            "least(greatest(m.{}, '0001-01-01T00:00:00Z'), '9999-12-31T23:59:59Z')",
+            self.deadline
+        )
+    }
+
+    /// Which rows are due: `deadline <= now()` is implied by the due expression; it is
+    /// spelled out so that no change to the bookkeeping can ever make a row fire before
+    /// its deadline.
+    fn due(&self) -> String {
+        format!(
+            "{} <= now() AND m.{} <= now()",
+            self.due_at(),
+            self.deadline
+        )
+    }
+}
 
 /// The statement that finds and locks due rows, for `table` (bound: `$1` limit, `$2`
 /// largest payload to fetch with the row, in bytes, `$3` ids to skip). The benchmark
 /// runs it too.
 pub fn lock_due_sql(table: &str) -> String {
-    // `timeout_at <= now()` is implied by the due expression; it is spelled out so that
-    // no change to the bookkeeping can ever make a row fire before its deadline. The
-    // payload is rendered once per row (OFFSET 0 keeps the subquery from being inlined
-    // into each use) and left behind when it is large (see `Store::payload`), so that a
-    // batch of large payloads cannot take batch_size × max_message_size of memory.
+    // The payload is rendered once per row (OFFSET 0 keeps the subquery from being
+    // inlined into each use) and left behind when it is large (see `Store::payload`), so
+    // that a batch of large payloads cannot take batch_size × max_message_size of memory.
+    let (deadline, due, due_at) = (
+        EXPECTATIONS.deadline(),
+        EXPECTATIONS.due(),
+        EXPECTATIONS.due_at(),
+    );
     format!(
-        "SELECT m.id, m.process_id, m.message_type, {DEADLINE} AS timeout_at, m.exchange, \
+        "SELECT m.id, m.process_id, m.message_type, {deadline} AS timeout_at, m.exchange, \
          m.routing_key, CASE WHEN octet_length(p.text) <= $2 THEN p.text END AS payload, \
          octet_length(p.text) AS payload_bytes, m.attempts, clock_timestamp() AS fired_at \
          FROM {table} AS m, LATERAL (SELECT m.payload::text OFFSET 0) AS p(text) \
-         WHERE {DUE_AT} <= now() AND m.timeout_at <= now() AND m.id <> ALL($3) \
-         ORDER BY {DUE_AT} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
+         WHERE {due} AND m.id <> ALL($3) ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
     )
 }
 
+/// The writes of the firing transaction on one table, and its next-deadline probe.
 #[derive(Debug, Clone)]
-struct Sql {
-    lock_due: Arc<str>,
-    payload: Arc<str>,
+struct Writes {
+    table: Table,
     next_due: Arc<str>,
     delete: Arc<str>,
     delete_fired: Arc<str>,
     fail: Arc<str>,
     park: Arc<str>,
-    counts: Arc<str>,
-    list_all: Arc<str>,
-    list_failing: Arc<str>,
 }
 
-impl Sql {
-    fn new(schema: &str) -> Self {
-        let t = format!("{schema}.expected_messages");
-        // A parked row's retry_at is 'infinity', which no client type holds: it is shown
-        // as `parked` instead.
-        let cols = format!(
-            "m.id, m.process_id, m.message_type, {DEADLINE} AS timeout_at, m.exchange, \
-             m.routing_key, m.attempts, m.last_error, \
-             CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
-             coalesce(m.retry_at = 'infinity', false) AS parked"
-        );
+impl Writes {
+    fn new(schema: &str, table: Table) -> Self {
+        let t = format!("{schema}.{}", table.name);
+        let (deadline, due_at) = (table.deadline(), table.due_at());
         Self {
-            lock_due: lock_due_sql(&t).into(),
-            payload: format!("SELECT payload::text FROM {t} WHERE id = $1").into(),
+            table,
             // Seconds from now (database clock) to the earliest deadline: one index probe.
             next_due: format!(
-                "SELECT extract(epoch FROM ({DUE_AT} - now()))::float8 FROM {t} AS m \
-                 ORDER BY {DUE_AT} LIMIT 1"
+                "SELECT extract(epoch FROM ({due_at} - now()))::float8 FROM {t} AS m \
+                 ORDER BY {due_at} LIMIT 1"
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = ANY($1)").into(),
             delete_fired: format!(
                 "DELETE FROM {t} AS m USING unnest($1::uuid[], $2::timestamptz[]) AS f(id, at) \
-                 WHERE m.id = f.id AND {DEADLINE} = f.at"
+                 WHERE m.id = f.id AND {deadline} = f.at"
             )
             .into(),
             fail: format!(
@@ -215,6 +248,36 @@ impl Sql {
                  retry_at = 'infinity' WHERE m.id = $1"
             )
             .into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Sql {
+    lock_due: Arc<str>,
+    payload: Arc<str>,
+    writes: Vec<Writes>,
+    counts: Arc<str>,
+    list_all: Arc<str>,
+    list_failing: Arc<str>,
+}
+
+impl Sql {
+    fn new(schema: &str) -> Self {
+        let t = format!("{schema}.expected_messages");
+        // A parked row's retry_at is 'infinity', which no client type holds: it is shown
+        // as `parked` instead.
+        let deadline = EXPECTATIONS.deadline();
+        let cols = format!(
+            "m.id, m.process_id, m.message_type, {deadline} AS timeout_at, m.exchange, \
+             m.routing_key, m.attempts, m.last_error, \
+             CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
+             coalesce(m.retry_at = 'infinity', false) AS parked"
+        );
+        Self {
+            lock_due: lock_due_sql(&t).into(),
+            payload: format!("SELECT payload::text FROM {t} WHERE id = $1").into(),
+            writes: TABLES.iter().map(|t| Writes::new(schema, *t)).collect(),
             counts: format!(
                 "SELECT count(*) AS pending, \
                  count(*) FILTER (WHERE timeout_at <= now()) AS due, \
@@ -319,14 +382,28 @@ impl Store {
         Ok(text.flatten())
     }
 
-    /// Time until the earliest deadline by the database's clock (negative when rows are
-    /// due, e.g. locked by another scan); `None` for an empty table. An infinite deadline
-    /// reads as `None` too.
+    /// Time until the earliest deadline of any table by the database's clock (negative
+    /// when rows are due, e.g. locked by another scan); `None` when nothing is pending.
+    /// An infinite deadline reads as `None` too.
     pub async fn next_due_in(&self) -> Result<Option<f64>, StoreError> {
-        let secs: Option<Option<f64>> = sqlx::query_scalar(safe(&self.sql.next_due))
-            .fetch_optional(&self.pool)
-            .await?;
-        Ok(secs.flatten().filter(|s| s.is_finite()))
+        let mut earliest: Option<f64> = None;
+        for writes in &self.sql.writes {
+            let secs: Option<Option<f64>> = sqlx::query_scalar(safe(&writes.next_due))
+                .fetch_optional(&self.pool)
+                .await?;
+            if let Some(s) = secs.flatten().filter(|s| s.is_finite()) {
+                earliest = Some(earliest.map_or(s, |e| e.min(s)));
+            }
+        }
+        Ok(earliest)
+    }
+
+    fn writes(&self, table: Table) -> Result<&Writes, StoreError> {
+        self.sql
+            .writes
+            .iter()
+            .find(|w| w.table == table)
+            .ok_or(StoreError::UnknownTable(table.name))
     }
 
     /// The channel the migrations' trigger notifies on new or moved deadlines.
@@ -351,16 +428,18 @@ impl Store {
     pub async fn settle(
         &self,
         tx: &mut PgConnection,
+        table: Table,
         confirmed: &[Uuid],
         failures: &[Failure],
     ) -> Result<Settlement, StoreError> {
-        let both = self.attempt(tx, Write::Both(confirmed, failures)).await?;
+        let w = self.writes(table)?;
+        let both = attempt(tx, w, Write::Both(confirmed, failures)).await?;
         if both.is_ok() {
             return Ok(Settlement::default());
         }
-        let refused = self.in_halves(tx, confirmed, Write::Delete).await?;
-        let mut out = self.park_refused(tx, refused).await?;
-        let refused = self.in_halves(tx, failures, Write::Charge).await?;
+        let refused = in_halves(tx, w, confirmed, Write::Delete).await?;
+        let mut out = park_refused(tx, w, refused).await?;
+        let refused = in_halves(tx, w, failures, Write::Charge).await?;
         out.uncharged
             .extend(refused.into_iter().map(|(f, r)| (f.id, r.reason)));
         Ok(out)
@@ -370,143 +449,18 @@ impl Store {
     /// deadline they were fired for (a moved deadline is the process manager's new
     /// intent: that row fires again). Its own transaction; a row the database will not
     /// let go is parked, as in [`Store::settle`].
-    pub async fn delete_fired(&self, fired: &[Fired]) -> Result<Settlement, StoreError> {
+    pub async fn delete_fired(
+        &self,
+        table: Table,
+        fired: &[Fired],
+    ) -> Result<Settlement, StoreError> {
+        let w = self.writes(table)?;
         let mut tx = self.begin().await?;
-        let refused = self.in_halves(&mut tx, fired, Write::DeleteFired).await?;
+        let refused = in_halves(&mut tx, w, fired, Write::DeleteFired).await?;
         let refused = refused.into_iter().map(|(f, r)| (f.id, r)).collect();
-        let out = self.park_refused(&mut tx, refused).await?;
+        let out = park_refused(&mut tx, w, refused).await?;
         tx.commit().await?;
         Ok(out)
-    }
-
-    /// Confirmed rows the database did not let us delete: busy ones are left for later,
-    /// refused ones are parked.
-    async fn park_refused(
-        &self,
-        tx: &mut PgConnection,
-        refused: Vec<(Uuid, Refusal)>,
-    ) -> Result<Settlement, StoreError> {
-        let mut out = Settlement::default();
-        for (id, r) in refused {
-            if r.busy {
-                out.later.push(id);
-                continue;
-            }
-            let why = format!(
-                "TimeOut delivered, but the row cannot be deleted: {}",
-                r.reason
-            );
-            match self.attempt(tx, Write::Park(id, &why)).await? {
-                Ok(()) => out.parked.push((id, why)),
-                Err(r) if r.busy => out.later.push(id),
-                Err(r) => out.stuck.push((id, r.reason)),
-            }
-        }
-        Ok(out)
-    }
-
-    /// Run `write` on all `items`; where the database refuses, on each half, down to
-    /// single items, which are returned with the database's reason.
-    async fn in_halves<'a, T: Clone>(
-        &self,
-        tx: &mut PgConnection,
-        items: &'a [T],
-        write: impl Fn(&'a [T]) -> Write<'a>,
-    ) -> Result<Vec<(T, Refusal)>, StoreError> {
-        let mut refused = Vec::new();
-        let mut todo = vec![items];
-        while let Some(part) = todo.pop() {
-            match (self.attempt(tx, write(part)).await?, part) {
-                (Ok(()), _) | (_, []) => {}
-                (Err(e), [one]) => refused.push((one.clone(), e)),
-                (Err(_), _) => {
-                    let (a, b) = part.split_at(part.len() / 2);
-                    todo.extend([b, a]);
-                }
-            }
-        }
-        Ok(refused)
-    }
-
-    /// One write inside a savepoint: `Ok(Err(refusal))` when the database refused it
-    /// (and it was undone), `Err` when the connection failed.
-    async fn attempt(
-        &self,
-        tx: &mut PgConnection,
-        write: Write<'_>,
-    ) -> Result<Result<(), Refusal>, StoreError> {
-        sqlx::query("SAVEPOINT settle").execute(&mut *tx).await?;
-        match self.write(tx, write).await {
-            Ok(()) => Ok(Ok(())),
-            Err(sqlx::Error::Database(e)) => {
-                sqlx::query("ROLLBACK TO SAVEPOINT settle")
-                    .execute(&mut *tx)
-                    .await?;
-                let code = e.code();
-                let busy = matches!(code.as_deref(), Some(QUERY_CANCELED | LOCK_NOT_AVAILABLE));
-                Ok(Err(Refusal {
-                    busy,
-                    reason: e.to_string(),
-                }))
-            }
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    async fn write(&self, tx: &mut PgConnection, write: Write<'_>) -> Result<(), sqlx::Error> {
-        match write {
-            Write::Both(ids, failures) => {
-                self.delete(tx, ids).await?;
-                self.charge(tx, failures).await
-            }
-            Write::Delete(ids) => self.delete(tx, ids).await,
-            Write::DeleteFired(fired) => {
-                let ids: Vec<Uuid> = fired.iter().map(|f| f.id).collect();
-                let at: Vec<DateTime<Utc>> = fired.iter().map(|f| f.timeout_at).collect();
-                sqlx::query(safe(&self.sql.delete_fired))
-                    .bind(ids)
-                    .bind(at)
-                    .execute(tx)
-                    .await?;
-                Ok(())
-            }
-            Write::Charge(failures) => self.charge(tx, failures).await,
-            Write::Park(id, why) => {
-                sqlx::query(safe(&self.sql.park))
-                    .bind(id)
-                    .bind(truncate(why))
-                    .execute(tx)
-                    .await?;
-                Ok(())
-            }
-        }
-    }
-
-    async fn delete(&self, tx: &mut PgConnection, ids: &[Uuid]) -> Result<(), sqlx::Error> {
-        if !ids.is_empty() {
-            sqlx::query(safe(&self.sql.delete))
-                .bind(ids)
-                .execute(tx)
-                .await?;
-        }
-        Ok(())
-    }
-
-    /// attempts + 1 (saturating), last_error, retry_at = now + delay.
-    async fn charge(&self, tx: &mut PgConnection, failures: &[Failure]) -> Result<(), sqlx::Error> {
-        if failures.is_empty() {
-            return Ok(());
-        }
-        let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
-        let errors: Vec<String> = failures.iter().map(|f| truncate(&f.error)).collect();
-        let delays: Vec<f64> = failures.iter().map(|f| f.delay.as_secs_f64()).collect();
-        sqlx::query(safe(&self.sql.fail))
-            .bind(ids)
-            .bind(errors)
-            .bind(delays)
-            .execute(tx)
-            .await?;
-        Ok(())
     }
 
     /// Counts for operators; `overdue` means due for longer than `late`.
@@ -552,6 +506,134 @@ impl Store {
     pub async fn close(&self) {
         self.pool.close().await;
     }
+}
+
+/// Confirmed rows the database did not let us delete: busy ones are left for later,
+/// refused ones are parked.
+async fn park_refused(
+    tx: &mut PgConnection,
+    w: &Writes,
+    refused: Vec<(Uuid, Refusal)>,
+) -> Result<Settlement, StoreError> {
+    let mut out = Settlement::default();
+    for (id, r) in refused {
+        if r.busy {
+            out.later.push(id);
+            continue;
+        }
+        let why = format!("delivered, but the row cannot be deleted: {}", r.reason);
+        match attempt(tx, w, Write::Park(id, &why)).await? {
+            Ok(()) => out.parked.push((id, why)),
+            Err(r) if r.busy => out.later.push(id),
+            Err(r) => out.stuck.push((id, r.reason)),
+        }
+    }
+    Ok(out)
+}
+
+/// Run `write` on all `items`; where the database refuses, on each half, down to
+/// single items, which are returned with the database's reason.
+async fn in_halves<'a, T: Clone>(
+    tx: &mut PgConnection,
+    w: &Writes,
+    items: &'a [T],
+    write: impl Fn(&'a [T]) -> Write<'a>,
+) -> Result<Vec<(T, Refusal)>, StoreError> {
+    let mut refused = Vec::new();
+    let mut todo = vec![items];
+    while let Some(part) = todo.pop() {
+        match (attempt(tx, w, write(part)).await?, part) {
+            (Ok(()), _) | (_, []) => {}
+            (Err(e), [one]) => refused.push((one.clone(), e)),
+            (Err(_), _) => {
+                let (a, b) = part.split_at(part.len() / 2);
+                todo.extend([b, a]);
+            }
+        }
+    }
+    Ok(refused)
+}
+
+/// One write inside a savepoint: `Ok(Err(refusal))` when the database refused it
+/// (and it was undone), `Err` when the connection failed.
+async fn attempt(
+    tx: &mut PgConnection,
+    w: &Writes,
+    write: Write<'_>,
+) -> Result<Result<(), Refusal>, StoreError> {
+    sqlx::query("SAVEPOINT settle").execute(&mut *tx).await?;
+    match apply(tx, w, write).await {
+        Ok(()) => Ok(Ok(())),
+        Err(sqlx::Error::Database(e)) => {
+            sqlx::query("ROLLBACK TO SAVEPOINT settle")
+                .execute(&mut *tx)
+                .await?;
+            let code = e.code();
+            let busy = matches!(code.as_deref(), Some(QUERY_CANCELED | LOCK_NOT_AVAILABLE));
+            Ok(Err(Refusal {
+                busy,
+                reason: e.to_string(),
+            }))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn apply(tx: &mut PgConnection, w: &Writes, write: Write<'_>) -> Result<(), sqlx::Error> {
+    match write {
+        Write::Both(ids, failures) => {
+            delete(tx, w, ids).await?;
+            charge(tx, w, failures).await
+        }
+        Write::Delete(ids) => delete(tx, w, ids).await,
+        Write::DeleteFired(fired) => {
+            let ids: Vec<Uuid> = fired.iter().map(|f| f.id).collect();
+            let at: Vec<DateTime<Utc>> = fired.iter().map(|f| f.deadline).collect();
+            sqlx::query(safe(&w.delete_fired))
+                .bind(ids)
+                .bind(at)
+                .execute(tx)
+                .await?;
+            Ok(())
+        }
+        Write::Charge(failures) => charge(tx, w, failures).await,
+        Write::Park(id, why) => {
+            sqlx::query(safe(&w.park))
+                .bind(id)
+                .bind(truncate(why))
+                .execute(tx)
+                .await?;
+            Ok(())
+        }
+    }
+}
+
+async fn delete(tx: &mut PgConnection, w: &Writes, ids: &[Uuid]) -> Result<(), sqlx::Error> {
+    if !ids.is_empty() {
+        sqlx::query(safe(&w.delete)).bind(ids).execute(tx).await?;
+    }
+    Ok(())
+}
+
+/// attempts + 1 (saturating), last_error, retry_at = now + delay.
+async fn charge(
+    tx: &mut PgConnection,
+    w: &Writes,
+    failures: &[Failure],
+) -> Result<(), sqlx::Error> {
+    if failures.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+    let errors: Vec<String> = failures.iter().map(|f| truncate(&f.error)).collect();
+    let delays: Vec<f64> = failures.iter().map(|f| f.delay.as_secs_f64()).collect();
+    sqlx::query(safe(&w.fail))
+        .bind(ids)
+        .bind(errors)
+        .bind(delays)
+        .execute(tx)
+        .await?;
+    Ok(())
 }
 
 /// One write of [`Store::settle`].
@@ -604,4 +686,29 @@ fn connect_options(
         }
     }
     Ok(options)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The planner uses an expression index only for the very expression it was built
+    /// on: each table's due expression must be its migration's index, word for word.
+    #[test]
+    fn the_due_expression_is_the_indexed_one() {
+        let migration = include_str!("../migrations/0003_due_never_before_deadline.sql");
+        let indexed = EXPECTATIONS.due_at().replace("m.", "");
+        assert!(migration.contains(&format!("(({indexed}))")), "{indexed}");
+        assert!(lock_due_sql("t").contains(&format!("ORDER BY {}", EXPECTATIONS.due_at())));
+    }
+
+    #[test]
+    fn every_table_has_its_writes() {
+        let sql = Sql::new("s");
+        for table in TABLES {
+            let w = sql.writes.iter().find(|w| w.table == table).expect("writes");
+            assert!(w.delete.contains(&format!("s.{}", table.name)));
+            assert!(w.delete_fired.contains(&table.deadline()));
+        }
+    }
 }

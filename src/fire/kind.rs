@@ -1,0 +1,114 @@
+//! What the firing transaction needs to know about one kind of due row. Everything else
+//! (locking, publishing, sorting fates, delete/charge/park, commit, leftovers) is the
+//! same for every kind and lives in `fire.rs` and `store.rs`, once.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::store::{DueRow, EXPECTATIONS, Store, StoreError, Table};
+use crate::wire::{self, Invalid, Message};
+
+/// A kind of due row: where it is stored, how it is read, what it becomes on the wire.
+pub trait Kind: Send + Sync {
+    type Row: Due;
+    /// What logs, metrics and `pending` call it.
+    const NAME: &'static str;
+    /// What its message is called in logs ("TimeOut").
+    const MESSAGE: &'static str;
+    /// Where its rows live (the writes of [`Store::settle`] take it).
+    const TABLE: Table;
+
+    /// Lock up to `limit` due rows, oldest first, skipping rows locked elsewhere and
+    /// `skip`; contents over `inline` bytes are left in the database ([`Due::withheld`]).
+    fn lock_due(
+        store: &Store,
+        tx: &mut PgConnection,
+        limit: u32,
+        inline: usize,
+        skip: &[Uuid],
+    ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send;
+
+    /// Read what `lock_due` left in the database into `row`.
+    fn fetch_withheld(
+        store: &Store,
+        tx: &mut PgConnection,
+        row: &mut Self::Row,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The message the row becomes.
+    fn message(row: &Self::Row, node: Uuid) -> Result<Message, Invalid>;
+}
+
+/// What the transaction reads from any due row.
+pub trait Due: Send + Sync {
+    fn id(&self) -> Uuid;
+    /// The deadline it fired for (a row moved since then is not deleted for it).
+    fn deadline(&self) -> DateTime<Utc>;
+    /// Database clock when the row was locked: never before the deadline.
+    fn fired_at(&self) -> DateTime<Utc>;
+    fn attempts(&self) -> i32;
+    /// Size of the content left in the database because it was large, if it was.
+    fn withheld(&self) -> Option<usize>;
+    /// Exchange and routing key, for logs.
+    fn destination(&self) -> (&str, &str);
+}
+
+/// The process manager's expectations, fired as TimeOuts.
+pub struct Expectations;
+
+impl Kind for Expectations {
+    type Row = DueRow;
+    const NAME: &'static str = "expectation";
+    const MESSAGE: &'static str = "TimeOut";
+    const TABLE: Table = EXPECTATIONS;
+
+    async fn lock_due(
+        store: &Store,
+        tx: &mut PgConnection,
+        limit: u32,
+        inline: usize,
+        skip: &[Uuid],
+    ) -> Result<Vec<DueRow>, StoreError> {
+        store.lock_due(tx, limit, inline, skip).await
+    }
+
+    async fn fetch_withheld(
+        store: &Store,
+        tx: &mut PgConnection,
+        row: &mut DueRow,
+    ) -> Result<(), StoreError> {
+        row.payload = store.payload(tx, row.id).await?;
+        Ok(())
+    }
+
+    fn message(row: &DueRow, node: Uuid) -> Result<Message, Invalid> {
+        wire::timeout::timeout(row, node)
+    }
+}
+
+impl Due for DueRow {
+    fn id(&self) -> Uuid {
+        self.id
+    }
+
+    fn deadline(&self) -> DateTime<Utc> {
+        self.timeout_at
+    }
+
+    fn fired_at(&self) -> DateTime<Utc> {
+        self.fired_at
+    }
+
+    fn attempts(&self) -> i32 {
+        self.attempts
+    }
+
+    fn withheld(&self) -> Option<usize> {
+        self.payload_withheld()
+    }
+
+    fn destination(&self) -> (&str, &str) {
+        (&self.exchange, &self.routing_key)
+    }
+}
