@@ -1,0 +1,199 @@
+//! The process manager's expectations (table `expected_messages`): the due row the scan
+//! locks, and what `timeoutd pending` and the gauges read.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{PgConnection, Row};
+use uuid::Uuid;
+
+use super::{EXPECTATIONS, Store, StoreError, safe};
+
+/// One due row, locked by the scan's transaction.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct DueRow {
+    pub id: Uuid,
+    pub process_id: String,
+    pub message_type: String,
+    pub timeout_at: DateTime<Utc>,
+    pub exchange: String,
+    pub routing_key: String,
+    /// The payload as Postgres prints it (always valid JSON), embedded in the TimeOut as
+    /// is: jsonb holds numbers and nesting depths that a JSON library may refuse, and
+    /// such a row must still fire. `None` for SQL NULL, and for a payload larger than the
+    /// limit the scan asked for (then `payload_bytes` says how large).
+    pub payload: Option<String>,
+    pub payload_bytes: Option<i32>,
+    pub attempts: i32,
+    /// Database clock when the row was read: never before `timeout_at`.
+    pub fired_at: DateTime<Utc>,
+}
+
+impl DueRow {
+    /// The payload was left in the database because it is larger than the limit.
+    pub fn payload_withheld(&self) -> Option<usize> {
+        match (&self.payload, self.payload_bytes) {
+            (None, Some(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+            _ => None,
+        }
+    }
+}
+
+/// What `timeoutd pending` and the gauges report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PendingCounts {
+    pub pending: i64,
+    pub due: i64,
+    pub overdue: i64,
+    pub failing: i64,
+}
+
+/// One row as `timeoutd pending --list` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct PendingRow {
+    pub id: Uuid,
+    pub process_id: String,
+    pub message_type: String,
+    pub timeout_at: DateTime<Utc>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub retry_at: Option<DateTime<Utc>>,
+    /// Its TimeOut was delivered but the row could not be deleted: it never fires again
+    /// and waits for an operator (see `last_error`).
+    pub parked: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PendingFilter {
+    All,
+    Failing,
+}
+
+/// The statement that finds and locks due rows, for `table` (bound: `$1` limit, `$2`
+/// largest payload to fetch with the row, in bytes, `$3` ids to skip). The benchmark
+/// runs it too.
+pub fn lock_due_sql(table: &str) -> String {
+    // The payload is rendered once per row (OFFSET 0 keeps the subquery from being
+    // inlined into each use) and left behind when it is large (see `Store::payload`), so
+    // that a batch of large payloads cannot take batch_size × max_message_size of memory.
+    let (deadline, due, due_at) = (
+        EXPECTATIONS.deadline(),
+        EXPECTATIONS.due(),
+        EXPECTATIONS.due_at(),
+    );
+    format!(
+        "SELECT m.id, m.process_id, m.message_type, {deadline} AS timeout_at, m.exchange, \
+         m.routing_key, CASE WHEN octet_length(p.text) <= $2 THEN p.text END AS payload, \
+         octet_length(p.text) AS payload_bytes, m.attempts, clock_timestamp() AS fired_at \
+         FROM {table} AS m, LATERAL (SELECT m.payload::text OFFSET 0) AS p(text) \
+         WHERE {due} AND m.id <> ALL($3) ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
+    )
+}
+
+/// The statements that only expectations have.
+#[derive(Debug, Clone)]
+pub(super) struct Statements {
+    lock_due: Arc<str>,
+    payload: Arc<str>,
+    counts: Arc<str>,
+    list_all: Arc<str>,
+    list_failing: Arc<str>,
+}
+
+impl Statements {
+    pub(super) fn new(schema: &str) -> Self {
+        let t = format!("{schema}.{}", EXPECTATIONS.name);
+        // A parked row's retry_at is 'infinity', which no client type holds: it is shown
+        // as `parked` instead.
+        let deadline = EXPECTATIONS.deadline();
+        let cols = format!(
+            "m.id, m.process_id, m.message_type, {deadline} AS timeout_at, m.exchange, \
+             m.routing_key, m.attempts, m.last_error, \
+             CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
+             coalesce(m.retry_at = 'infinity', false) AS parked"
+        );
+        Self {
+            lock_due: lock_due_sql(&t).into(),
+            payload: format!("SELECT payload::text FROM {t} WHERE id = $1").into(),
+            counts: format!(
+                "SELECT count(*) AS pending, \
+                 count(*) FILTER (WHERE timeout_at <= now()) AS due, \
+                 count(*) FILTER (WHERE timeout_at <= now() - $1::interval) AS overdue, \
+                 count(*) FILTER (WHERE attempts > 0) AS failing FROM {t}"
+            )
+            .into(),
+            list_all: format!("SELECT {cols} FROM {t} AS m ORDER BY m.timeout_at LIMIT $1").into(),
+            list_failing: format!(
+                "SELECT {cols} FROM {t} AS m WHERE m.attempts > 0 ORDER BY m.timeout_at LIMIT $1"
+            )
+            .into(),
+        }
+    }
+}
+
+impl Store {
+    /// Lock up to `limit` due rows, oldest due first, skipping rows another scan holds and
+    /// the ids in `skip`. Payloads over `inline` bytes are left in the database.
+    pub async fn lock_due(
+        &self,
+        tx: &mut PgConnection,
+        limit: u32,
+        inline: usize,
+        skip: &[Uuid],
+    ) -> Result<Vec<DueRow>, StoreError> {
+        let rows = sqlx::query_as(safe(&self.sql.expectations.lock_due))
+            .bind(i64::from(limit))
+            .bind(i64::try_from(inline).unwrap_or(i64::MAX))
+            .bind(skip)
+            .fetch_all(tx)
+            .await?;
+        Ok(rows)
+    }
+
+    /// The payload of one (locked) row as text, for payloads `lock_due` left behind.
+    pub async fn payload(
+        &self,
+        tx: &mut PgConnection,
+        id: Uuid,
+    ) -> Result<Option<String>, StoreError> {
+        let text = sqlx::query_scalar(safe(&self.sql.expectations.payload))
+            .bind(id)
+            .fetch_optional(tx)
+            .await?;
+        Ok(text.flatten())
+    }
+
+    /// Counts for operators; `overdue` means due for longer than `late`.
+    pub async fn pending_counts(&self, late: Duration) -> Result<PendingCounts, StoreError> {
+        let row = sqlx::query(safe(&self.sql.expectations.counts))
+            .bind(format!("{} milliseconds", late.as_millis()))
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(PendingCounts {
+            pending: row.try_get("pending")?,
+            due: row.try_get("due")?,
+            overdue: row.try_get("overdue")?,
+            failing: row.try_get("failing")?,
+        })
+    }
+
+    /// Peek at rows, earliest deadline first; never changes them.
+    pub async fn list(
+        &self,
+        filter: PendingFilter,
+        limit: i64,
+    ) -> Result<Vec<PendingRow>, StoreError> {
+        let sql = match filter {
+            PendingFilter::All => &self.sql.expectations.list_all,
+            PendingFilter::Failing => &self.sql.expectations.list_failing,
+        };
+        Ok(sqlx::query_as(safe(sql))
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+}

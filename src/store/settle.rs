@@ -1,0 +1,313 @@
+//! Writing the fate of a fired batch: delete the confirmed rows, charge the failed ones,
+//! park what cannot be deleted. The same statements for every [`Table`]; one row the
+//! database refuses never fails the others (savepoints, halving).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::{Store, StoreError, Table, safe};
+
+/// A publish that did not go through: the row stays and is retried after `delay`.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub id: Uuid,
+    pub error: String,
+    pub delay: Duration,
+}
+
+/// A row whose message was confirmed but whose batch did not commit: it is deleted
+/// later if it still has the deadline it was fired for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fired {
+    pub id: Uuid,
+    pub deadline: DateTime<Utc>,
+}
+
+/// What [`Store::settle`] could not do the fast way.
+#[derive(Debug, Default)]
+pub struct Settlement {
+    /// Confirmed rows that could not be deleted (a constraint or trigger of the process
+    /// manager refused): kept with `retry_at = 'infinity'` so they never fire again.
+    pub parked: Vec<(Uuid, String)>,
+    /// Confirmed rows whose delete waited too long for a lock: to delete later, in a
+    /// transaction of their own.
+    pub later: Vec<Uuid>,
+    /// Confirmed rows that could be neither deleted nor parked: they must not be
+    /// published again by this process.
+    pub stuck: Vec<(Uuid, String)>,
+    /// Failed rows whose failure could not be written: not to be retried at once.
+    pub uncharged: Vec<(Uuid, String)>,
+}
+
+/// Why the database did not take one write.
+#[derive(Debug, Clone)]
+struct Refusal {
+    /// It waited too long (a lock held by someone else, the statement timeout): it may
+    /// well pass later.
+    busy: bool,
+    reason: String,
+}
+
+/// Longest `last_error` stored; the rest of a long error message adds nothing.
+const MAX_ERROR_CHARS: usize = 1000;
+/// `attempts + 1` that cannot overflow (rows written by other tools may hold anything).
+const NEXT_ATTEMPT: &str = "CASE WHEN m.attempts < 2147483647 THEN m.attempts + 1 \
+                            ELSE m.attempts END";
+
+/// The writes of the firing transaction on one table, and its next-deadline probe.
+#[derive(Debug, Clone)]
+pub(super) struct Writes {
+    pub(super) table: Table,
+    pub(super) next_due: Arc<str>,
+    delete: Arc<str>,
+    delete_fired: Arc<str>,
+    fail: Arc<str>,
+    park: Arc<str>,
+}
+
+impl Writes {
+    pub(super) fn new(schema: &str, table: Table) -> Self {
+        let t = format!("{schema}.{}", table.name);
+        let (deadline, due_at) = (table.deadline(), table.due_at());
+        Self {
+            table,
+            // Seconds from now (database clock) to the earliest deadline: one index probe.
+            next_due: format!(
+                "SELECT extract(epoch FROM ({due_at} - now()))::float8 FROM {t} AS m \
+                 ORDER BY {due_at} LIMIT 1"
+            )
+            .into(),
+            delete: format!("DELETE FROM {t} WHERE id = ANY($1)").into(),
+            delete_fired: format!(
+                "DELETE FROM {t} AS m USING unnest($1::uuid[], $2::timestamptz[]) AS f(id, at) \
+                 WHERE m.id = f.id AND {deadline} = f.at"
+            )
+            .into(),
+            fail: format!(
+                "UPDATE {t} AS m SET attempts = {NEXT_ATTEMPT}, last_error = f.error, \
+                 retry_at = now() + make_interval(secs => f.delay) \
+                 FROM unnest($1::uuid[], $2::text[], $3::float8[]) AS f(id, error, delay) \
+                 WHERE m.id = f.id"
+            )
+            .into(),
+            park: format!(
+                "UPDATE {t} AS m SET attempts = {NEXT_ATTEMPT}, last_error = $2, \
+                 retry_at = 'infinity' WHERE m.id = $1"
+            )
+            .into(),
+        }
+    }
+}
+
+impl Store {
+    /// Write the fate of a batch whose TimeOuts were published: delete the confirmed
+    /// rows, charge the failed ones. One row must not be able to fail it (a confirmed
+    /// batch is never rolled back): a write the database refuses is undone to a
+    /// savepoint and retried on halves until the refusing rows stand alone; those are
+    /// parked (confirmed) or reported (failed). Only a broken connection is an error.
+    pub async fn settle(
+        &self,
+        tx: &mut PgConnection,
+        table: Table,
+        confirmed: &[Uuid],
+        failures: &[Failure],
+    ) -> Result<Settlement, StoreError> {
+        let w = self.writes(table)?;
+        let both = attempt(tx, w, Write::Both(confirmed, failures)).await?;
+        if both.is_ok() {
+            return Ok(Settlement::default());
+        }
+        let refused = in_halves(tx, w, confirmed, Write::Delete).await?;
+        let mut out = park_refused(tx, w, refused).await?;
+        let refused = in_halves(tx, w, failures, Write::Charge).await?;
+        out.uncharged
+            .extend(refused.into_iter().map(|(f, r)| (f.id, r.reason)));
+        Ok(out)
+    }
+
+    /// Delete rows fired by a batch that failed to commit, if they still have the
+    /// deadline they were fired for (a moved deadline is the process manager's new
+    /// intent: that row fires again). Its own transaction; a row the database will not
+    /// let go is parked, as in [`Store::settle`].
+    pub async fn delete_fired(
+        &self,
+        table: Table,
+        fired: &[Fired],
+    ) -> Result<Settlement, StoreError> {
+        let w = self.writes(table)?;
+        let mut tx = self.begin().await?;
+        let refused = in_halves(&mut tx, w, fired, Write::DeleteFired).await?;
+        let refused = refused.into_iter().map(|(f, r)| (f.id, r)).collect();
+        let out = park_refused(&mut tx, w, refused).await?;
+        tx.commit().await?;
+        Ok(out)
+    }
+}
+
+/// Confirmed rows the database did not let us delete: busy ones are left for later,
+/// refused ones are parked.
+async fn park_refused(
+    tx: &mut PgConnection,
+    w: &Writes,
+    refused: Vec<(Uuid, Refusal)>,
+) -> Result<Settlement, StoreError> {
+    let mut out = Settlement::default();
+    for (id, r) in refused {
+        if r.busy {
+            out.later.push(id);
+            continue;
+        }
+        let why = format!("delivered, but the row cannot be deleted: {}", r.reason);
+        match attempt(tx, w, Write::Park(id, &why)).await? {
+            Ok(()) => out.parked.push((id, why)),
+            Err(r) if r.busy => out.later.push(id),
+            Err(r) => out.stuck.push((id, r.reason)),
+        }
+    }
+    Ok(out)
+}
+
+/// Run `write` on all `items`; where the database refuses, on each half, down to
+/// single items, which are returned with the database's reason.
+async fn in_halves<'a, T: Clone>(
+    tx: &mut PgConnection,
+    w: &Writes,
+    items: &'a [T],
+    write: impl Fn(&'a [T]) -> Write<'a>,
+) -> Result<Vec<(T, Refusal)>, StoreError> {
+    let mut refused = Vec::new();
+    let mut todo = vec![items];
+    while let Some(part) = todo.pop() {
+        match (attempt(tx, w, write(part)).await?, part) {
+            (Ok(()), _) | (_, []) => {}
+            (Err(e), [one]) => refused.push((one.clone(), e)),
+            (Err(_), _) => {
+                let (a, b) = part.split_at(part.len() / 2);
+                todo.extend([b, a]);
+            }
+        }
+    }
+    Ok(refused)
+}
+
+/// One write inside a savepoint: `Ok(Err(refusal))` when the database refused it
+/// (and it was undone), `Err` when the connection failed.
+async fn attempt(
+    tx: &mut PgConnection,
+    w: &Writes,
+    write: Write<'_>,
+) -> Result<Result<(), Refusal>, StoreError> {
+    sqlx::query("SAVEPOINT settle").execute(&mut *tx).await?;
+    match apply(tx, w, write).await {
+        Ok(()) => Ok(Ok(())),
+        Err(sqlx::Error::Database(e)) => {
+            sqlx::query("ROLLBACK TO SAVEPOINT settle")
+                .execute(&mut *tx)
+                .await?;
+            let code = e.code();
+            let busy = matches!(code.as_deref(), Some(QUERY_CANCELED | LOCK_NOT_AVAILABLE));
+            Ok(Err(Refusal {
+                busy,
+                reason: e.to_string(),
+            }))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn apply(tx: &mut PgConnection, w: &Writes, write: Write<'_>) -> Result<(), sqlx::Error> {
+    match write {
+        Write::Both(ids, failures) => {
+            delete(tx, w, ids).await?;
+            charge(tx, w, failures).await
+        }
+        Write::Delete(ids) => delete(tx, w, ids).await,
+        Write::DeleteFired(fired) => {
+            let ids: Vec<Uuid> = fired.iter().map(|f| f.id).collect();
+            let at: Vec<DateTime<Utc>> = fired.iter().map(|f| f.deadline).collect();
+            sqlx::query(safe(&w.delete_fired))
+                .bind(ids)
+                .bind(at)
+                .execute(tx)
+                .await?;
+            Ok(())
+        }
+        Write::Charge(failures) => charge(tx, w, failures).await,
+        Write::Park(id, why) => {
+            sqlx::query(safe(&w.park))
+                .bind(id)
+                .bind(truncate(why))
+                .execute(tx)
+                .await?;
+            Ok(())
+        }
+    }
+}
+
+async fn delete(tx: &mut PgConnection, w: &Writes, ids: &[Uuid]) -> Result<(), sqlx::Error> {
+    if !ids.is_empty() {
+        sqlx::query(safe(&w.delete)).bind(ids).execute(tx).await?;
+    }
+    Ok(())
+}
+
+/// attempts + 1 (saturating), last_error, retry_at = now + delay.
+async fn charge(
+    tx: &mut PgConnection,
+    w: &Writes,
+    failures: &[Failure],
+) -> Result<(), sqlx::Error> {
+    if failures.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+    let errors: Vec<String> = failures.iter().map(|f| truncate(&f.error)).collect();
+    let delays: Vec<f64> = failures.iter().map(|f| f.delay.as_secs_f64()).collect();
+    sqlx::query(safe(&w.fail))
+        .bind(ids)
+        .bind(errors)
+        .bind(delays)
+        .execute(tx)
+        .await?;
+    Ok(())
+}
+
+/// One write of [`Store::settle`].
+enum Write<'a> {
+    Both(&'a [Uuid], &'a [Failure]),
+    Delete(&'a [Uuid]),
+    DeleteFired(&'a [Fired]),
+    Charge(&'a [Failure]),
+    Park(Uuid, &'a str),
+}
+
+/// SQLSTATEs of a write that waited too long (`statement_timeout`, `lock_timeout`).
+const QUERY_CANCELED: &str = "57014";
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+fn truncate(error: &str) -> String {
+    error.chars().take(MAX_ERROR_CHARS).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::store::Sql;
+
+    #[test]
+    fn every_table_has_its_writes() {
+        let sql = Sql::new("s");
+        for table in crate::store::TABLES {
+            let w = sql
+                .writes
+                .iter()
+                .find(|w| w.table == table)
+                .expect("writes");
+            assert!(w.delete.contains(&format!("s.{}", table.name)));
+            assert!(w.delete_fired.contains(&table.deadline()));
+        }
+    }
+}
