@@ -1,7 +1,9 @@
+use std::collections::BTreeSet;
 use std::process::Output;
+use std::time::Duration;
 
 use crate::common::{Inbox, Proc, World, wait_for};
-use std::time::Duration;
+use crate::http::get;
 
 fn timeoutd(world: &World, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
@@ -47,6 +49,54 @@ async fn check_config_redacts_secrets() {
     assert!(shown.contains("guest:***@127.0.0.1"), "{shown}");
     assert!(!shown.contains("sup3rsecret"), "{shown}");
     assert!(shown.contains(&world.group), "{shown}");
+    world.cleanup().await;
+}
+
+/// `timeoutd run` prints one JSON ready line on stdout (the logs are on stderr): its node
+/// id is the one `/status` reports at its `http_addr` — the real bound address, as
+/// `http.listen` is on port 0 here — and nothing else ever appears on stdout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_prints_one_ready_line_naming_the_node_and_its_http_address() {
+    let world = World::new().await;
+    world.migrate().await;
+    let mut daemon = Proc::spawn(&world).await;
+    let ready = daemon.ready.clone();
+    let fields: BTreeSet<&str> = ready
+        .as_object()
+        .expect("an object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        fields,
+        BTreeSet::from(["ready", "node_id", "group", "http_addr", "version"]),
+        "the documented fields (README, Commands): {ready}"
+    );
+    assert_eq!(ready["ready"], true, "{ready}");
+    assert_eq!(ready["group"], world.group.as_str(), "{ready}");
+    assert_eq!(ready["version"], env!("CARGO_PKG_VERSION"), "{ready}");
+    let addr = daemon.http_addr;
+    assert!(addr.ip().is_loopback() && addr.port() != 0, "{ready}");
+
+    let (code, body) = get(addr, "/status").await;
+    assert_eq!(code, 200, "{body}");
+    let status: serde_json::Value = serde_json::from_str(&body).expect("/status is JSON");
+    assert_eq!(status["node_id"], ready["node_id"], "{status}");
+    assert_eq!(status["node_id"], daemon.node_id.to_string().as_str());
+    assert_eq!(status["group"], world.group.as_str(), "{status}");
+
+    daemon.signal("TERM");
+    let exit = tokio::time::timeout(Duration::from_secs(20), daemon.child.wait())
+        .await
+        .expect("stops on SIGTERM")
+        .expect("wait");
+    assert!(exit.success(), "{exit:?}");
+    wait_for(Duration::from_secs(5), "stdout read to its end", || {
+        daemon.stdout_closed()
+    })
+    .await;
+    let stdout = daemon.stdout.lock().expect("lock").clone();
+    assert_eq!(stdout.len(), 1, "exactly one line on stdout: {stdout:?}");
     world.cleanup().await;
 }
 

@@ -2,6 +2,7 @@
 //! its own schema, group and queues, so tests run in parallel and repeatably.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,7 +19,7 @@ use timeoutd::client::{self, Expectation};
 use timeoutd::config::Settings;
 use timeoutd::daemon::{self, Handle};
 use timeoutd::wire::announcement::Announcement;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -396,10 +397,22 @@ where
     }
 }
 
-/// A `timeoutd` process, its node id read from its JSON log.
+/// How long a daemon may take to print its ready line.
+const READY_WITHIN: Duration = Duration::from_secs(20);
+
+/// A `timeoutd run` process. Its node id and HTTP address come from the ready line it
+/// prints on stdout (the documented interface, not the log text); its JSON log (stderr)
+/// is collected for `logged` and for failure dumps.
 pub struct Proc {
     pub child: tokio::process::Child,
     pub node_id: Uuid,
+    /// Where it serves `/healthz`, `/readyz`, `/status` and `/metrics` (bound address).
+    pub http_addr: SocketAddr,
+    /// The ready line as printed.
+    pub ready: serde_json::Value,
+    /// Everything it printed on stdout, the ready line first.
+    pub stdout: Arc<Mutex<Vec<String>>>,
+    stdout_reader: tokio::task::JoinHandle<()>,
     pub log: Arc<Mutex<Vec<String>>>,
 }
 
@@ -416,21 +429,48 @@ impl Proc {
             .envs(extra.iter().cloned())
             .env("TIMEOUTD__LOG__FORMAT", "json")
             .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         let mut child = cmd.spawn().expect("spawn timeoutd");
-        let stderr = child.stderr.take().expect("stderr");
         let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(collect_log(stderr, log.clone(), tx));
-        let node_id = tokio::time::timeout(Duration::from_secs(20), rx)
-            .await
-            .expect("daemon logged its node id in time")
-            .expect("node id");
+        let stderr = BufReader::new(child.stderr.take().expect("stderr")).lines();
+        let logging = tokio::spawn(collect_lines(stderr, log.clone()));
+        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let first = match tokio::time::timeout(READY_WITHIN, lines.next_line()).await {
+            Ok(Ok(Some(line))) => line,
+            Ok(read) => {
+                // stdout closed (or unreadable) without a line: the daemon is exiting.
+                let status = match tokio::time::timeout(Duration::from_secs(10), child.wait()).await
+                {
+                    Ok(Ok(status)) => status.to_string(),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => "still running 10 s later".to_owned(),
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(2), logging).await;
+                panic!(
+                    "timeoutd exited before printing its ready line \
+                     (stdout: {read:?}, {status}); its log:\n{}",
+                    tail(&log)
+                );
+            }
+            Err(_) => panic!(
+                "timeoutd printed no ready line within {READY_WITHIN:?}; its log:\n{}",
+                tail(&log)
+            ),
+        };
+        let (node_id, http_addr, ready) = parse_ready(&first)
+            .unwrap_or_else(|e| panic!("bad ready line {first:?}: {e}; log:\n{}", tail(&log)));
+        let stdout = Arc::new(Mutex::new(vec![first]));
+        let stdout_reader = tokio::spawn(collect_lines(lines, stdout.clone()));
         Self {
             child,
             node_id,
+            http_addr,
+            ready,
+            stdout,
+            stdout_reader,
             log,
         }
     }
@@ -457,13 +497,9 @@ impl Proc {
         assert!(ok, "kill -{sig} failed");
     }
 
-    /// Where the daemon serves HTTP, read from its log.
-    pub fn http_addr(&self) -> Option<std::net::SocketAddr> {
-        let log = self.log.lock().expect("lock");
-        log.iter().find_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).ok()?;
-            v.get("http_addr")?.as_str()?.parse().ok()
-        })
+    /// Whether stdout has been read to its end (the daemon closed it: it exited).
+    pub fn stdout_closed(&self) -> bool {
+        self.stdout_reader.is_finished()
     }
 
     pub fn logged(&self, needle: &str) -> bool {
@@ -479,36 +515,45 @@ impl Drop for Proc {
     /// A failing test shows what its daemons said.
     fn drop(&mut self) {
         if std::thread::panicking() {
-            let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
-            eprintln!("--- log of node {} (last 40 lines)", self.node_id);
-            for line in log.iter().rev().take(40).rev() {
-                eprintln!("{line}");
-            }
+            eprintln!(
+                "--- log of node {} at {} (last 40 lines)\n{}",
+                self.node_id,
+                self.http_addr,
+                tail(&self.log)
+            );
         }
     }
 }
 
-async fn collect_log(
-    stderr: tokio::process::ChildStderr,
-    log: Arc<Mutex<Vec<String>>>,
-    tx: tokio::sync::oneshot::Sender<Uuid>,
+/// Append each line of `lines` to `into` until end of file.
+async fn collect_lines<R: AsyncBufRead + Unpin>(
+    mut lines: Lines<R>,
+    into: Arc<Mutex<Vec<String>>>,
 ) {
-    let mut tx = Some(tx);
-    let mut lines = BufReader::new(stderr).lines();
     while let Ok(Some(line)) = lines.next_line().await {
-        if let Some(id) = node_id_of(&line)
-            && let Some(tx) = tx.take()
-        {
-            let _ = tx.send(id);
-        }
-        log.lock().expect("lock").push(line);
+        into.lock().expect("lock").push(line);
     }
 }
 
-fn node_id_of(line: &str) -> Option<Uuid> {
-    let v: serde_json::Value = serde_json::from_str(line).ok()?;
-    if v.get("message")?.as_str()? != "starting" {
-        return None;
+/// The node id, the HTTP address and the whole of a ready line.
+fn parse_ready(line: &str) -> Result<(Uuid, SocketAddr, serde_json::Value), String> {
+    let v: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    if v["ready"] != true {
+        return Err("no \"ready\": true".to_owned());
     }
-    v.get("node_id")?.as_str()?.parse().ok()
+    let field = |name: &str| v[name].as_str().ok_or(format!("no string {name:?}"));
+    let node_id = field("node_id")?
+        .parse()
+        .map_err(|e| format!("node_id: {e}"))?;
+    let http_addr = field("http_addr")?
+        .parse()
+        .map_err(|e| format!("http_addr: {e}"))?;
+    Ok((node_id, http_addr, v))
+}
+
+/// The last 40 lines of a log, for panic messages.
+fn tail(log: &Mutex<Vec<String>>) -> String {
+    let log = log.lock().unwrap_or_else(|e| e.into_inner());
+    let from = log.len().saturating_sub(40);
+    log[from..].join("\n")
 }

@@ -368,7 +368,7 @@ async fn postgres_outage_keeps_the_role_and_fires_after() {
         node.logged("scan failed")
     })
     .await;
-    let addr = node.http_addr().expect("http address logged");
+    let addr = node.http_addr;
     let (code, body) = crate::http::get(addr, "/readyz").await;
     assert_eq!(code, 503);
     assert!(body.contains("postgres"), "{body}");
@@ -607,7 +607,7 @@ async fn postgres_down_for_everyone_nobody_flaps() {
         procs.iter().all(|p| !p.logged("rejoining")),
         "nobody rejoins while the database is down"
     );
-    let addr = procs[0].http_addr().expect("http address logged");
+    let addr = procs[0].http_addr;
     let (code, body) = crate::http::get(addr, "/readyz").await;
     assert_eq!(code, 503);
     assert!(

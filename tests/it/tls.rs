@@ -3,7 +3,6 @@
 //! certificate for `localhost` from a throwaway CA. Nothing is skipped: without that setup
 //! these tests fail and say how to get it.
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
@@ -116,15 +115,6 @@ async fn fires_over_amqps_and_verified_postgres_tls() {
     world.cleanup().await;
 }
 
-/// The `http_addr` the daemon logged at start (JSON log).
-fn http_addr_of(proc: &Proc) -> SocketAddr {
-    let log = proc.log.lock().expect("lock").clone();
-    log.iter()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|v| v.get("http_addr")?.as_str()?.parse().ok())
-        .expect("the daemon logs its http_addr")
-}
-
 /// Without `amqp.ca_file`, amqps:// to the self-signed broker is refused for the
 /// certificate: the daemon stays up, not ready, and says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -140,7 +130,7 @@ async fn amqps_without_the_ca_is_refused() {
         || node.logged("cannot connect to RabbitMQ") && node.logged("certificate"),
     )
     .await;
-    let addr = http_addr_of(&node);
+    let addr = node.http_addr;
     let (code, body) = get(addr, "/readyz").await;
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("rabbitmq"), "{body}");
