@@ -17,12 +17,11 @@ pub(crate) struct Burst {
     pub(crate) drain_rows_per_sec: f64,
     pub(crate) delivery: Delivery,
     pub(crate) left_in_table: i64,
-    pub(crate) batches: usize,
-    pub(crate) mean_batch_ms: f64,
-    pub(crate) max_batch_ms: f64,
-    /// Every batch's duration, in the order the daemon logged them.
-    pub(crate) batch_ms: Vec<f64>,
-    /// Sum of batch durations / (last − T0): the share of the wall time spent in batches.
+    /// What the daemon did, from its `/metrics` scraped before the insert and after the
+    /// last TimeOut.
+    pub(crate) daemon: ScanDelta,
+    /// Sum of batch durations / (last − T0): the share of the wall time spent in batches
+    /// (above 1 when batches overlap, `scan.concurrency` > 1).
     pub(crate) busy_fraction: f64,
     pub(crate) complete: bool,
 }
@@ -39,6 +38,7 @@ pub(crate) async fn burst(
     let lead = Duration::from_secs_f64(n as f64 / insert_rate * 1.5 + 1.0);
     let t0 = (Utc::now() + chrono::Duration::from_std(lead)?).trunc_subsecs(6);
     env.inbox.take();
+    let before = daemon.scrape().await?;
     let started = Instant::now();
     let mut tx = env.pool.begin().await?;
     insert_due(&mut tx, &env.table(), &env.queue, &ids, Some(t0)).await?;
@@ -56,11 +56,10 @@ pub(crate) async fn burst(
     let first = got.iter().map(|(_, at)| *at).min().unwrap_or(start);
     let last = got.iter().map(|(_, at)| *at).max().unwrap_or(start);
     let last_ms = ms(last - start);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let batches = daemon
-        .log
-        .batches_between(t0, last + chrono::Duration::seconds(1));
-    let busy: f64 = batches.iter().map(|b| b.duration_ms).sum();
+    let after = daemon
+        .scrape_after(&before, delivery.distinct as u64, SETTLE_LIMIT)
+        .await?;
+    let scan = ScanDelta::between(&before, &after);
     Ok(Burst {
         rows: n,
         insert_secs,
@@ -70,11 +69,8 @@ pub(crate) async fn burst(
         drain_rows_per_sec: delivery.distinct as f64 / (ms(last - first) / 1e3),
         delivery,
         left_in_table: env.count_rows().await?,
-        batches: batches.iter().filter(|b| b.fired > 0).count(),
-        mean_batch_ms: busy / batches.len().max(1) as f64,
-        max_batch_ms: batches.iter().map(|b| b.duration_ms).fold(0.0, f64::max),
-        batch_ms: batches.iter().map(|b| b.duration_ms).collect(),
-        busy_fraction: busy / last_ms,
+        daemon: scan,
+        busy_fraction: scan.busy_ms / last_ms,
         complete,
     })
 }

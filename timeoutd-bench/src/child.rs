@@ -3,31 +3,14 @@
 use crate::prelude::*;
 use crate::*;
 
-/// One "fired batch" (debug) log line of the daemon.
-#[derive(Debug, Clone)]
-pub(crate) struct BatchLog {
-    pub(crate) at: DateTime<Utc>,
-    pub(crate) fired: u64,
-    pub(crate) duration_ms: f64,
-}
-
+/// The daemon's stderr: the last lines (shown when it dies) and a count of warnings.
 #[derive(Default)]
 pub(crate) struct DaemonLog {
-    pub(crate) active: AtomicBool,
-    pub(crate) batches: Mutex<Vec<BatchLog>>,
     pub(crate) tail: Mutex<VecDeque<String>>,
     pub(crate) warnings: AtomicUsize,
 }
 
 impl DaemonLog {
-    pub(crate) fn batches_between(&self, from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<BatchLog> {
-        let batches = self.batches.lock().map(|b| b.clone()).unwrap_or_default();
-        batches
-            .into_iter()
-            .filter(|b| b.at >= from && b.at <= to)
-            .collect()
-    }
-
     pub(crate) fn tail(&self) -> String {
         let tail = self.tail.lock().map(|t| t.clone()).unwrap_or_default();
         tail.into_iter().collect::<Vec<_>>().join("\n")
@@ -43,54 +26,11 @@ impl DaemonLog {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
             return;
         };
-        let field = |k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or_default();
-        if matches!(field("level"), "WARN" | "ERROR") {
+        let level = v.get("level").and_then(|x| x.as_str()).unwrap_or_default();
+        if matches!(level, "WARN" | "ERROR") {
             self.warnings.fetch_add(1, Ordering::Relaxed);
         }
-        match field("message") {
-            "role changed" => self
-                .active
-                .store(field("role") == "active", Ordering::Release),
-            "fired batch" => self.batch(&v),
-            _ => {}
-        }
     }
-
-    pub(crate) fn batch(&self, v: &serde_json::Value) {
-        let at = v
-            .get("timestamp")
-            .and_then(|t| t.as_str())
-            .and_then(|t| t.parse().ok())
-            .unwrap_or_else(Utc::now);
-        let fired = v.get("fired").and_then(|f| f.as_u64()).unwrap_or(0);
-        let duration_ms = v
-            .get("duration")
-            .and_then(|d| d.as_str())
-            .and_then(debug_duration_ms)
-            .unwrap_or(0.0);
-        if let Ok(mut b) = self.batches.lock() {
-            b.push(BatchLog {
-                at,
-                fired,
-                duration_ms,
-            });
-        }
-    }
-}
-
-/// A `Debug`-formatted `Duration` ("12.5ms", "850µs", "1.2s") in milliseconds.
-pub(crate) fn debug_duration_ms(s: &str) -> Option<f64> {
-    let split = s.find(|c: char| c.is_alphabetic())?;
-    let (number, unit) = s.split_at(split);
-    let number: f64 = number.parse().ok()?;
-    let scale = match unit {
-        "s" => 1e3,
-        "ms" => 1.0,
-        "µs" | "us" => 1e-3,
-        "ns" => 1e-6,
-        _ => return None,
-    };
-    Some(number * scale)
 }
 
 /// Resident memory of the daemon, from /proc/<pid>/status, in bytes.
@@ -104,18 +44,18 @@ pub(crate) struct Daemon {
     pub(crate) child: Child,
     pub(crate) pid: u32,
     pub(crate) log: Arc<DaemonLog>,
+    /// Where the daemon serves `/metrics`.
+    pub(crate) http: SocketAddr,
 }
 
 impl Daemon {
-    /// Spawn `timeoutd run` and wait until it is the active node (its "role changed" log).
+    /// Spawn `timeoutd run` on a port of its own and wait until its `/metrics` says active.
     pub(crate) async fn start(env: &Env) -> Result<Self> {
+        let http = free_local_addr()?;
         let mut cmd = Command::new(&env.daemon_bin);
         cmd.arg("run")
-            .envs(env.daemon_env())
-            .env(
-                "RUST_LOG",
-                "warn,timeoutd::daemon=info,timeoutd::scheduler=debug",
-            )
+            .envs(env.daemon_env(http))
+            .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -127,23 +67,59 @@ impl Daemon {
         let stderr = child.stderr.take().context("daemon stderr")?;
         let log = Arc::new(DaemonLog::default());
         tokio::spawn(read_log(stderr, log.clone()));
-        let mut daemon = Self { child, pid, log };
+        let mut daemon = Self {
+            child,
+            pid,
+            log,
+            http,
+        };
         daemon.wait_active(Duration::from_secs(30)).await?;
         Ok(daemon)
     }
 
+    /// Polls `/metrics` until `timeoutd_active` is 1; refused connections are expected
+    /// while the daemon starts.
     pub(crate) async fn wait_active(&mut self, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit;
-        while !self.log.active.load(Ordering::Acquire) {
-            if let Some(status) = self.child.try_wait()? {
-                bail!("daemon exited ({status}):\n{}", self.log.tail());
-            }
+        loop {
+            self.check_alive()?;
+            let last = match scrape(self.http).await {
+                Ok(s) if s.get(ACTIVE) == Some(1.0) => return Ok(()),
+                Ok(s) => format!("{ACTIVE} = {:?}", s.get(ACTIVE)),
+                Err(e) => format!("{e:#}"),
+            };
             if Instant::now() >= deadline {
-                bail!("daemon not active within {limit:?}:\n{}", self.log.tail());
+                bail!(
+                    "daemon not active within {limit:?} (last scrape: {last}):\n{}",
+                    self.log.tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub(crate) async fn scrape(&mut self) -> Result<Scrape> {
+        self.check_alive()?;
+        scrape(self.http).await
+    }
+
+    /// Scrape until the daemon counts `fired` more TimeOuts than in `before`, for at most
+    /// `limit`: the consumer can hold a TimeOut before its batch committed and was counted.
+    pub(crate) async fn scrape_after(
+        &mut self,
+        before: &Scrape,
+        fired: u64,
+        limit: Duration,
+    ) -> Result<Scrape> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let now = self.scrape().await?;
+            let counted = ScanDelta::between(before, &now).fired;
+            if counted >= fired || Instant::now() >= deadline {
+                return Ok(now);
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        Ok(())
     }
 
     /// Fails if the daemon has exited (a crash mid-run must not pass unnoticed).
@@ -188,6 +164,13 @@ impl Daemon {
             }
         }
     }
+}
+
+/// A port free right now: bind port 0 and let it go. Another process could take it
+/// before the daemon binds; the daemon then fails to start and its log says why.
+pub(crate) fn free_local_addr() -> Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?)
 }
 
 pub(crate) async fn read_log(stderr: tokio::process::ChildStderr, log: Arc<DaemonLog>) {

@@ -60,9 +60,11 @@ impl Env {
         Ok(env)
     }
 
-    /// The daemon's environment: isolated schema and group, a free HTTP port.
-    pub(crate) fn daemon_env(&self) -> Vec<(String, String)> {
-        overrides(&self.amqp_url, &self.pg_url, &self.schema, &self.group)
+    /// The daemon's environment: isolated schema and group, `/metrics` on `http`.
+    pub(crate) fn daemon_env(&self, http: SocketAddr) -> Vec<(String, String)> {
+        let mut env = overrides(&self.amqp_url, &self.pg_url, &self.schema, &self.group);
+        env.push(("TIMEOUTD__HTTP__LISTEN".to_owned(), http.to_string()));
+        env
     }
 
     pub(crate) fn table(&self) -> String {
@@ -141,7 +143,6 @@ pub(crate) fn overrides(amqp: &str, pg: &str, schema: &str, group: &str) -> Vec<
         ("TIMEOUTD__POSTGRES__URL", pg),
         ("TIMEOUTD__POSTGRES__SCHEMA", schema),
         ("TIMEOUTD__ELECTION__GROUP", group),
-        ("TIMEOUTD__HTTP__LISTEN", "127.0.0.1:0"),
         ("TIMEOUTD__LOG__FORMAT", "json"),
     ]
     .into_iter()

@@ -22,6 +22,10 @@
 //!    that are not due (one schema each, made by the daemon's migrations), median of 200
 //!    runs per table taken round-robin, plus `EXPLAIN (ANALYZE, BUFFERS)`.
 //!
+//! What the daemon did in a phase (batches, their durations, TimeOuts fired, lateness at
+//! fire time) comes from its `/metrics`, scraped before and after the phase: counter
+//! deltas, and histogram buckets for bounds (a bucket bound, not a measured maximum).
+//!
 //! Results: a table on stdout, `<out>/bench.json`, `<out>/bench.svg`. Missed targets are
 //! reported, never turned into a failing exit code.
 
@@ -33,6 +37,7 @@ mod idle;
 mod insert;
 mod prelude;
 mod report;
+mod scrape;
 mod steady;
 mod svg;
 
@@ -44,6 +49,7 @@ pub(crate) use idle::*;
 pub(crate) use insert::*;
 use prelude::*;
 pub(crate) use report::*;
+pub(crate) use scrape::*;
 pub(crate) use steady::*;
 
 pub(crate) const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -56,6 +62,9 @@ pub(crate) const INSERT_CHUNK: usize = 10_000;
 pub(crate) const STEADY_LEAD: Duration = Duration::from_millis(1500);
 pub(crate) const STEADY_TICK: Duration = Duration::from_millis(10);
 pub(crate) const MIB: f64 = 1024.0 * 1024.0;
+/// How long the daemon may take to count TimeOuts the consumer already holds (it counts
+/// a batch once it commits).
+pub(crate) const SETTLE_LIMIT: Duration = Duration::from_secs(5);
 /// Untimed idle scans first: they prepare the statement and warm the caches.
 pub(crate) const WARMUP_RUNS: usize = 50;
 

@@ -16,6 +16,7 @@ pub(crate) use serde::Serialize;
 pub(crate) use sqlx::postgres::{PgPool, PgPoolOptions};
 pub(crate) use sqlx::{AssertSqlSafe, PgConnection};
 pub(crate) use std::collections::{HashMap, HashSet, VecDeque};
+pub(crate) use std::net::SocketAddr;
 pub(crate) use std::path::{Path, PathBuf};
 pub(crate) use std::process::Stdio;
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

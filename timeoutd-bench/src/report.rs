@@ -111,6 +111,7 @@ impl Report {
     pub(crate) fn table_lines(&self) -> Vec<Line> {
         let mut lines = self.throughput_lines();
         lines.extend(self.steady_lines());
+        lines.push(self.steady_daemon_line());
         lines.extend(self.idle_lines());
         lines.extend(self.memory_lines());
         lines
@@ -150,15 +151,13 @@ impl Report {
                 None,
             ),
             line(
-                "burst: how the daemon spent it",
+                "burst: how the daemon spent it (/metrics)",
                 format!(
-                    "first TimeOut {:.0} ms after T0, first→last {:.0}/s; {} batches, \
-                     mean {:.1} ms, max {:.1} ms; in a batch {:.0}% of the time",
+                    "first TimeOut {:.0} ms after T0, first→last {:.0}/s; {}; \
+                     batch time {:.0}% of the wall time (batches overlap)",
                     b.first_ms,
                     b.drain_rows_per_sec,
-                    b.batches,
-                    b.mean_batch_ms,
-                    b.max_batch_ms,
+                    batches_text(&b.daemon),
                     b.busy_fraction * 100.0
                 ),
                 "",
@@ -217,6 +216,21 @@ impl Report {
         ]
     }
 
+    pub(crate) fn steady_daemon_line(&self) -> Line {
+        let d = &self.steady.daemon;
+        line(
+            "steady: the daemon's view (/metrics)",
+            format!(
+                "{}; lateness at fire mean {:.1} ms, p99 {}",
+                batches_text(d),
+                d.lateness_mean_ms,
+                bound_text(d.lateness_p99_le_ms)
+            ),
+            "",
+            None,
+        )
+    }
+
     pub(crate) fn idle_lines(&self) -> Vec<Line> {
         let mut lines: Vec<Line> = self
             .idle_scan
@@ -268,6 +282,21 @@ impl Report {
             ),
         ]
     }
+}
+
+/// Batches and TimeOuts a phase's scrapes saw; the longest batch is a bucket bound.
+pub(crate) fn batches_text(d: &ScanDelta) -> String {
+    let mut s = format!(
+        "{} batches, mean {:.1} ms, longest {} (bucket bound); {} fired",
+        d.batches,
+        d.mean_batch_ms,
+        bound_text(d.max_batch_le_ms),
+        d.fired
+    );
+    if d.publish_failures > 0 {
+        s.push_str(&format!(", {} publish failures", d.publish_failures));
+    }
+    s
 }
 
 pub(crate) fn delivery_text(d: &Delivery, left: i64) -> String {

@@ -20,12 +20,17 @@ pub(crate) struct Steady {
     /// before it was due, so lateness is the daemon's.
     pub(crate) min_insert_lead_ms: f64,
     pub(crate) histogram: Vec<(String, usize)>,
+    /// What the daemon did, from its `/metrics` scraped before the first insert and after
+    /// the last TimeOut.
+    pub(crate) daemon: ScanDelta,
     pub(crate) complete: bool,
 }
 
 /// Rows due at `rate`/s for `steady_secs`, inserted through `client::expect` ~1.5 s ahead,
 /// in one transaction every 10 ms; lateness = receipt − deadline.
 pub(crate) async fn steady(env: &Env, daemon: &mut Daemon, plan: &Plan) -> Result<Steady> {
+    // Before the first deadline is set: a scrape must not eat into the insert lead.
+    let before = daemon.scrape().await?;
     let total = plan.rate as usize * plan.steady_secs as usize;
     let step = 1e6 / f64::from(plan.rate);
     let first = (Utc::now() + chrono::Duration::from_std(STEADY_LEAD)?).trunc_subsecs(6);
@@ -38,6 +43,9 @@ pub(crate) async fn steady(env: &Env, daemon: &mut Daemon, plan: &Plan) -> Resul
     let got = env.inbox.take();
     let expected: HashSet<Uuid> = deadlines.keys().copied().collect();
     let delivery = Delivery::check(&got, &expected);
+    let after = daemon
+        .scrape_after(&before, delivery.distinct as u64, SETTLE_LIMIT)
+        .await?;
     let lateness = lateness_ms(&got, &deadlines);
     let early = lateness.iter().filter(|l| **l < 0.0).count();
     Ok(Steady {
@@ -53,6 +61,7 @@ pub(crate) async fn steady(env: &Env, daemon: &mut Daemon, plan: &Plan) -> Resul
         mean_ms: lateness.iter().sum::<f64>() / lateness.len().max(1) as f64,
         min_insert_lead_ms: min_lead,
         histogram: histogram(&lateness),
+        daemon: ScanDelta::between(&before, &after),
         complete,
     })
 }
