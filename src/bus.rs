@@ -2,9 +2,13 @@
 //! and publish TimeOuts with confirms (`publish`). Every wait here is bounded by a
 //! configured timeout.
 
+mod convert;
+mod ingress;
 mod publish;
 
-pub use publish::{Budget, Fate, PublishError, Published, ToPublish, lapin_properties};
+pub use convert::{lapin_properties, wire_properties};
+pub use ingress::{Arrived, DELIVERY_LIMIT, Ingress, IngressSpec};
+pub use publish::{Budget, Fate, PublishError, Published, ToPublish};
 
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;

@@ -33,8 +33,17 @@ pub enum Command {
     Expect(ExpectArgs),
     /// Watch the group: who is there, who is active, last seen, announcement lag.
     Members(MembersArgs),
-    /// Count and peek at expectations (never changes them).
+    /// Count and peek at expectations and delayed messages (never changes them).
     Pending(PendingArgs),
+    /// Cancel a pending delayed message by its message_id (exit 4: not pending).
+    Cancel(CancelArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    /// The message_id the delayed message was published with (or was given at ingest).
+    #[arg(long)]
+    pub message_id: String,
 }
 
 #[derive(Debug, Args)]

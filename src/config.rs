@@ -53,6 +53,22 @@ pub struct Settings {
     pub log: Log,
     pub backoff: Backoff,
     pub shutdown: Shutdown,
+    pub delay: Delay,
+}
+
+/// Delayed messages (contract section 7).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Delay {
+    pub enabled: bool,
+    /// Ingress exchange and queue; `{group}` stands for `election.group`.
+    pub exchange: String,
+    /// Where a message goes when it names no exchange of its own.
+    pub target_exchange: String,
+    /// Unacknowledged messages a node holds at once (also its largest insert).
+    pub prefetch: u16,
+    /// Larger bodies are kept, held as failing, never delivered.
+    pub max_body: bytesize::ByteSize,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -250,9 +266,30 @@ impl Settings {
             100,
         )?;
         self.http_listen()?;
+        self.validate_delay()?;
         check_ca_file("amqp.ca_file", self.amqp.ca_file.as_deref())?;
         check_ca_file("postgres.ca_file", self.postgres.ca_file.as_deref())?;
         Ok(())
+    }
+
+    fn validate_delay(&self) -> Result<(), ConfigError> {
+        check_name("delay.exchange", &self.delay_exchange())?;
+        check_name("delay.target_exchange", &self.delay.target_exchange)?;
+        if self.delay.exchange.is_empty() || self.delay_exchange().starts_with("amq.") {
+            return Err(ConfigError::invalid(
+                "delay.exchange",
+                "must be a name of our own (not empty, not amq.*)",
+            ));
+        }
+        if self.delay.prefetch == 0 {
+            return Err(ConfigError::invalid("delay.prefetch", "must be 1 to 65535"));
+        }
+        Ok(())
+    }
+
+    /// `delay.exchange` with `{group}` replaced: the ingress exchange and queue name.
+    pub fn delay_exchange(&self) -> String {
+        self.delay.exchange.replace("{group}", &self.election.group)
     }
 
     fn validate_durations(&self) -> Result<(), ConfigError> {

@@ -1,7 +1,7 @@
-//! Start, supervise, stop: a daemon is three tasks — the node task (`node`: the election
-//! and the broker connection), the scan task (`scheduler`: firing while active) and the
-//! HTTP server (`http`) — each given the narrow context it uses. The supervisor watches
-//! all three: when one ends before a stop was asked (a panic, a bug), the others are
+//! Start, supervise, stop: a daemon is four tasks — the node task (`node`: the election
+//! and the broker connection), the scan task (`scheduler`: firing while active), the
+//! delayed-message ingress (`ingress`, every node) and the HTTP server (`http`) — each
+//! given the narrow context it uses. The supervisor watches them all: when one ends before a stop was asked (a panic, a bug), the others are
 //! stopped — the node task announces `leaving`, so the group does not wait for a node that
 //! cannot fire — and the daemon exits non-zero for the orchestrator to restart it.
 
@@ -21,6 +21,7 @@ use crate::config::Settings;
 use crate::election::{LeaseView, Role};
 use crate::health::Health;
 use crate::http;
+use crate::ingress::{self, Intake};
 use crate::node::{Node, NodeLoop};
 use crate::scheduler::{self, Firing};
 pub use crate::shutdown::Exit;
@@ -64,6 +65,7 @@ enum Task {
     Node,
     Scan,
     Http,
+    Ingress,
 }
 
 /// Start a daemon: bind HTTP, migrate (if configured, retrying while the database is
@@ -92,6 +94,13 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         role: role_tx,
         stop: stop.clone(),
     };
+    let intake = settings.delay.enabled.then(|| Intake {
+        settings: settings.clone(),
+        store: store.clone(),
+        bus: bus_rx.clone(),
+        probe: probe.clone(),
+        stop: stop.clone(),
+    });
     let firing = Firing {
         settings: settings.clone(),
         node_id,
@@ -103,7 +112,12 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         stop: stop.clone(),
     };
     tracing::info!(node_id = %node_id, group = %settings.election.group, "starting");
-    let tasks = Tasks { node, firing, http };
+    let tasks = Tasks {
+        node,
+        firing,
+        http,
+        intake,
+    };
     let join = tokio::spawn(supervise(settings, store, bus_rx, tasks, stop.clone()));
     Ok(Handle {
         node_id,
@@ -120,6 +134,8 @@ struct Tasks {
     node: Node,
     firing: Firing,
     http: http::Server,
+    /// The delayed-message ingress, unless `delay.enabled = false`.
+    intake: Option<Intake>,
 }
 
 async fn supervise(
@@ -140,6 +156,12 @@ async fn supervise(
         scheduler::scan_loop(Arc::new(firing)).await;
         (Task::Scan, Ok(Exit::Stopped))
     });
+    if let Some(intake) = tasks.intake {
+        set.spawn(async move {
+            ingress::ingress_loop(intake).await;
+            (Task::Ingress, Ok(Exit::Stopped))
+        });
+    }
     let exit = first_to_end(&mut set, &stop).await;
     finish(set, &settings, &store, &bus, exit).await
 }

@@ -28,7 +28,7 @@ use crate::wire::Message;
 
 pub mod kind;
 
-pub use kind::{Due, Expectations, Kind};
+pub use kind::{Delayed, Due, Expectations, Kind};
 
 /// Rows remembered per kind of memory (suspects, rows to skip, rows to delete later):
 /// beyond this the oldest are forgotten, which costs at most a second TimeOut.
@@ -61,6 +61,8 @@ pub enum ScanError {
 /// What one batch did.
 #[derive(Debug, Default)]
 pub struct BatchOutcome {
+    /// The kind of row (`Kind::NAME`).
+    pub kind: &'static str,
     /// Rows locked (a full batch means: scan again at once).
     pub locked: usize,
     /// TimeOuts confirmed and their rows deleted.
@@ -163,6 +165,7 @@ impl Scanner {
         });
         let (mut tx, rows, deferred) = locked.await?;
         let mut outcome = BatchOutcome {
+            kind: K::NAME,
             locked: rows.len() + deferred,
             untouched: deferred,
             ..BatchOutcome::default()

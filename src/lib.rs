@@ -20,6 +20,7 @@ mod backoff;
 mod fire;
 mod health;
 mod http;
+mod ingress;
 mod metrics;
 mod node;
 mod scheduler;

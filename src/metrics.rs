@@ -15,7 +15,10 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 use uuid::Uuid;
 
-use crate::store::PendingCounts;
+use crate::store::{IngestOutcome, PendingCounts};
+
+/// The `kind` of expectations (see `fire::Kind::NAME`).
+const EXPECTATION: &str = "expectation";
 
 /// The content type of [`Metrics::render`].
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -39,6 +42,34 @@ struct ReasonLabel {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindReasonLabel {
+    kind: &'static str,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindStateLabel {
+    kind: &'static str,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+/// Seconds from a delayed message's arrival at the ingress to its commit.
+const INGEST_BUCKETS: [f64; 11] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn lateness_histogram() -> Histogram {
+    Histogram::new(LATENESS_BUCKETS)
+}
+
 /// The daemon's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -54,10 +85,16 @@ pub struct Metrics {
     rejected: Family<ReasonLabel, Counter>,
     fired: Counter,
     parked: Counter,
-    publish_failures: Family<ReasonLabel, Counter>,
+    publish_failures: Family<KindReasonLabel, Counter>,
     scan_duration: Histogram,
     lateness: Histogram,
     pending: [Gauge; 4],
+    fired_by_kind: Family<KindLabel, Counter>,
+    lateness_by_kind: Histograms<KindLabel>,
+    pending_by_kind: Family<KindStateLabel, Gauge>,
+    ingested: Family<ResultLabel, Counter>,
+    ingest_time: Histogram,
+    ingress_consuming: Gauge,
 }
 
 impl Metrics {
@@ -83,6 +120,12 @@ impl Metrics {
             scan_duration: Histogram::new(SCAN_BUCKETS),
             lateness: Histogram::new(LATENESS_BUCKETS),
             pending: Default::default(),
+            fired_by_kind: Family::default(),
+            lateness_by_kind: Family::new_with_constructor(lateness_histogram),
+            pending_by_kind: Family::default(),
+            ingested: Family::default(),
+            ingest_time: Histogram::new(INGEST_BUCKETS),
+            ingress_consuming: Gauge::default(),
         };
         m.candidate.set(1);
         m.register();
@@ -148,7 +191,7 @@ impl Metrics {
         );
         r.register(
             "publish_failures",
-            "TimeOuts not confirmed, by reason",
+            "messages not confirmed, by kind of row and reason",
             self.publish_failures.clone(),
         );
         r.register_with_unit(
@@ -175,6 +218,45 @@ impl Metrics {
         for ((name, help), gauge) in pending.into_iter().zip(&self.pending) {
             r.register(name, help, gauge.clone());
         }
+        self.register_kinds();
+    }
+
+    /// The series that cover every kind of due row (expectations, delayed messages) and
+    /// the delayed-message ingress.
+    fn register_kinds(&mut self) {
+        let r = &mut self.registry;
+        r.register(
+            "fired",
+            "messages confirmed and their rows deleted, by kind (expectation, delayed)",
+            self.fired_by_kind.clone(),
+        );
+        r.register_with_unit(
+            "lateness",
+            "publish time minus due time of each fired row, by kind",
+            Unit::Seconds,
+            self.lateness_by_kind.clone(),
+        );
+        r.register(
+            "pending_rows",
+            "rows by kind and state (pending, due, overdue, failing)",
+            self.pending_by_kind.clone(),
+        );
+        r.register(
+            "delayed_ingested",
+            "delayed messages taken in, by result (stored, duplicate, held, cancelled, dropped)",
+            self.ingested.clone(),
+        );
+        r.register_with_unit(
+            "delayed_ingest",
+            "time from a delayed message's arrival to its commit",
+            Unit::Seconds,
+            self.ingest_time.clone(),
+        );
+        r.register(
+            "delayed_ingress_consuming",
+            "1 while this node consumes the delay ingress queue",
+            self.ingress_consuming.clone(),
+        );
     }
 
     pub fn set_active(&self, active: bool) {
@@ -209,9 +291,9 @@ impl Metrics {
         self.rejected.get_or_create(&ReasonLabel { reason }).inc();
     }
 
-    pub fn publish_failed(&self, reason: &'static str) {
+    pub fn publish_failed(&self, kind: &'static str, reason: &'static str) {
         self.publish_failures
-            .get_or_create(&ReasonLabel { reason })
+            .get_or_create(&KindReasonLabel { kind, reason })
             .inc();
     }
 
@@ -220,22 +302,68 @@ impl Metrics {
     }
 
     /// One batch that locked rows: its duration and the lateness of each fired row.
-    pub fn scanned(&self, duration: Duration, lateness: &[Duration]) {
+    /// The unlabelled TimeOut series (kept for existing dashboards) count expectations.
+    pub fn scanned(&self, kind: &'static str, duration: Duration, lateness: &[Duration]) {
         self.scan_duration.observe(duration.as_secs_f64());
-        lateness
-            .iter()
-            .for_each(|l| self.lateness.observe(l.as_secs_f64()));
-        self.fired.inc_by(lateness.len() as u64);
+        let by_kind = self.lateness_by_kind.get_or_create(&KindLabel { kind });
+        for l in lateness {
+            by_kind.observe(l.as_secs_f64());
+            if kind == EXPECTATION {
+                self.lateness.observe(l.as_secs_f64());
+            }
+        }
+        let fired = lateness.len() as u64;
+        self.fired_by_kind
+            .get_or_create(&KindLabel { kind })
+            .inc_by(fired);
+        if kind == EXPECTATION {
+            self.fired.inc_by(fired);
+        }
     }
 
-    pub fn set_pending(&self, c: PendingCounts) {
-        for (gauge, v) in self
-            .pending
-            .iter()
-            .zip([c.pending, c.due, c.overdue, c.failing])
-        {
-            gauge.set(v);
+    pub fn set_pending(&self, kind: &'static str, c: PendingCounts) {
+        let states = [
+            ("pending", c.pending),
+            ("due", c.due),
+            ("overdue", c.overdue),
+            ("failing", c.failing),
+        ];
+        for (state, v) in states {
+            self.pending_by_kind
+                .get_or_create(&KindStateLabel { kind, state })
+                .set(v);
         }
+        if kind == EXPECTATION {
+            for (gauge, (_, v)) in self.pending.iter().zip(states) {
+                gauge.set(v);
+            }
+        }
+    }
+
+    /// One stored batch of delayed messages and how long it took from arrival.
+    pub fn ingested(&self, o: &IngestOutcome, took: Duration) {
+        let results = [
+            ("stored", o.stored - o.held.min(o.stored)),
+            ("held", o.held),
+            ("duplicate", o.duplicates),
+            ("cancelled", o.cancelled),
+        ];
+        for (result, n) in results {
+            self.ingested
+                .get_or_create(&ResultLabel { result })
+                .inc_by(n);
+        }
+        self.ingest_time.observe(took.as_secs_f64());
+    }
+
+    pub fn ingest_dropped(&self) {
+        self.ingested
+            .get_or_create(&ResultLabel { result: "dropped" })
+            .inc();
+    }
+
+    pub fn set_ingress_consuming(&self, consuming: bool) {
+        self.ingress_consuming.set(i64::from(consuming));
     }
 
     /// The exposition text; `postgres_ok` is measured by the caller at scrape time.
@@ -257,8 +385,9 @@ mod tests {
         let m = Metrics::new("g\"x", Uuid::nil());
         m.received("probe");
         m.rejected("malformed");
-        m.publish_failed("returned");
+        m.publish_failed("expectation", "returned");
         m.scanned(
+            "expectation",
             Duration::from_millis(3),
             &[Duration::from_millis(7), Duration::from_secs(2)],
         );
@@ -267,7 +396,10 @@ mod tests {
         for line in [
             format!("timeoutd_timeouts_fired_total{{{labels}}} 2"),
             format!("timeoutd_announcements_received_total{{{labels},kind=\"probe\"}} 1"),
-            format!("timeoutd_publish_failures_total{{{labels},reason=\"returned\"}} 1"),
+            format!(
+                "timeoutd_publish_failures_total{{{labels},kind=\"expectation\",reason=\"returned\"}} 1"
+            ),
+            format!("timeoutd_fired_total{{{labels},kind=\"expectation\"}} 2"),
             format!("timeoutd_fire_lateness_seconds_bucket{{{labels},le=\"0.01\"}} 1"),
             format!("timeoutd_fire_lateness_seconds_bucket{{{labels},le=\"2.5\"}} 2"),
             format!("timeoutd_fire_lateness_seconds_count{{{labels}}} 2"),

@@ -15,7 +15,7 @@ use crate::backoff::Backoff;
 use crate::bus::Bus;
 use crate::config::Settings;
 use crate::election::{Lease, LeaseView, Role};
-use crate::fire::{BatchOutcome, Expectations, ScanError, Scanner};
+use crate::fire::{BatchOutcome, Delayed, Expectations, ScanError, Scanner};
 use crate::health::{Check, Health};
 use crate::shutdown::sleep_or_stop;
 use crate::status::{Probe, ScanStatus};
@@ -224,10 +224,45 @@ async fn listen(shared: Arc<Firing>, wake: Arc<Notify>) {
     }
 }
 
+/// A kind of due row the scan fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fires {
+    Expectations,
+    Delayed,
+}
+
+fn kinds(settings: &Settings) -> Vec<Fires> {
+    if settings.delay.enabled {
+        vec![Fires::Expectations, Fires::Delayed]
+    } else {
+        vec![Fires::Expectations]
+    }
+}
+
+async fn batch(
+    shared: &Firing,
+    scanner: &Scanner,
+    bus: &Bus,
+    kind: Fires,
+) -> Result<BatchOutcome, ScanError> {
+    let (store, stop, lease) = (&shared.store, &shared.stop, || shared.lease());
+    match kind {
+        Fires::Expectations => {
+            scanner
+                .run_batch::<Expectations>(store, bus, lease, stop)
+                .await
+        }
+        Fires::Delayed => scanner.run_batch::<Delayed>(store, bus, lease, stop).await,
+    }
+}
+
 /// Run rounds of `scan.concurrency` batches at once (SKIP LOCKED gives each its own
-/// rows, and one batch publishes while another awaits its confirms) until a round comes
-/// back short, the lease is lost, or we are stopping; returns how many rows were locked.
-/// A batch already started is never interrupted: it commits or rolls back as a whole.
+/// rows, and one batch publishes while another awaits its confirms) until every kind's
+/// batch comes back short, the lease is lost, or we are stopping; returns how many rows
+/// were locked. The slots of a round go to the kinds in turn, and a kind with a full
+/// batch keeps its turn while the other is drained, so neither kind's backlog can starve
+/// the other. A batch already started is never interrupted: it commits or rolls back as
+/// a whole.
 async fn drain(
     shared: &Firing,
     scanner: &Scanner,
@@ -235,22 +270,32 @@ async fn drain(
     summary: &mut Summary,
 ) -> Result<usize, ScanError> {
     let parallel = shared.settings.scan.concurrency as usize;
+    let mut kinds = kinds(&shared.settings);
     let mut locked = 0;
+    let mut turn = 0;
     loop {
         settle_leftovers(scanner, &shared.store).await;
-        let round = (0..parallel).map(|_| {
-            scanner.run_batch::<Expectations>(&shared.store, bus, || shared.lease(), &shared.stop)
-        });
-        let mut full = false;
+        let slots: Vec<Fires> = (0..parallel)
+            .map(|i| kinds[(turn + i) % kinds.len()])
+            .collect();
+        turn += 1;
+        let round = slots.iter().map(|k| batch(shared, scanner, bus, *k));
+        let mut full = Vec::new();
         let mut lost = false;
-        for outcome in futures_util::future::join_all(round).await {
+        for (kind, outcome) in slots
+            .iter()
+            .zip(futures_util::future::join_all(round).await)
+        {
             let outcome = outcome?;
             record(shared, &outcome, summary);
             locked += outcome.locked;
-            full |= outcome.locked >= scanner.batch_size as usize;
+            if outcome.locked >= scanner.batch_size as usize && !full.contains(kind) {
+                full.push(*kind);
+            }
             lost |= outcome.lease_lost;
         }
-        if !full || lost || shared.stop.is_cancelled() {
+        kinds.retain(|k| full.contains(k));
+        if kinds.is_empty() || lost || shared.stop.is_cancelled() {
             return Ok(locked);
         }
     }
@@ -274,11 +319,11 @@ fn record(shared: &Firing, outcome: &BatchOutcome, summary: &mut Summary) {
     }
     let metrics = &shared.probe.metrics;
     metrics.parked(outcome.parked);
-    metrics.scanned(outcome.duration, &outcome.lateness);
+    metrics.scanned(outcome.kind, outcome.duration, &outcome.lateness);
     outcome
         .failure_reasons
         .iter()
-        .for_each(|r| metrics.publish_failed(r));
+        .for_each(|r| metrics.publish_failed(outcome.kind, r));
     tracing::debug!(
         fired = outcome.fired, failed = outcome.failed, duration = ?outcome.duration,
         "fired batch"
@@ -334,7 +379,7 @@ impl Summary {
         if self.batches > 0 {
             tracing::info!(
                 fired = self.fired, failed = self.failed, batches = self.batches,
-                duration = ?self.busy, max_lateness = ?self.max_lateness, "fired TimeOuts"
+                duration = ?self.busy, max_lateness = ?self.max_lateness, "fired due rows"
             );
         }
         *self = Self::new();

@@ -12,7 +12,7 @@ use uuid::Uuid;
 use crate::config::Settings;
 use crate::election::Role;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::{Store, TABLES};
 
 /// A member as `/status` and `members` show it.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -50,6 +50,19 @@ pub struct Snapshot {
     pub database_ok: Option<bool>,
     pub last_scan: Option<ScanStatus>,
     pub fired_total: u64,
+    /// The delayed-message ingress (absent with `delay.enabled = false`).
+    pub ingress: Option<IngressStatus>,
+}
+
+/// What the ingress task reports.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct IngressStatus {
+    pub queue: String,
+    /// Consuming now (false while the broker or the database is away).
+    pub consuming: bool,
+    /// Delayed messages this node stored since it started.
+    pub stored_total: u64,
+    pub last_error: Option<String>,
 }
 
 /// What the HTTP probes and `/status` read: the snapshot, loop heartbeats, the store.
@@ -114,15 +127,15 @@ impl Probe {
 
     /// Refresh the pending gauges (bounded); false when Postgres did not answer.
     pub async fn refresh_pending(&self) -> bool {
-        let counts =
-            tokio::time::timeout(PROBE_TIMEOUT, self.store.pending_counts(self.tick)).await;
-        match counts {
-            Ok(Ok(c)) => {
-                self.metrics.set_pending(c);
-                true
+        for table in TABLES {
+            let counts =
+                tokio::time::timeout(PROBE_TIMEOUT, self.store.counts(table, self.tick)).await;
+            match counts {
+                Ok(Ok(c)) => self.metrics.set_pending(table.kind(), c),
+                _ => return false,
             }
-            _ => false,
         }
+        true
     }
 
     /// Readiness: `Some(reason)` unless connected to both services and settled.
@@ -162,6 +175,7 @@ impl Snapshot {
             database_ok: None,
             last_scan: None,
             fired_total: 0,
+            ingress: None,
         }
     }
 }

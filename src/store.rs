@@ -11,15 +11,18 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgSslMode};
-use sqlx::{AssertSqlSafe, Postgres, Transaction};
+use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
 use crate::config;
 
+mod delayed;
 mod expectations;
 mod settle;
 
-pub use expectations::{DueRow, PendingCounts, PendingFilter, PendingRow, lock_due_sql};
+pub use delayed::{DelayedRow, IngestOutcome, PendingDelayed};
+pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
 use settle::Writes;
 pub use settle::{Failure, Fired, Settlement};
 
@@ -33,6 +36,8 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database: no answer within {0:?}")]
     NoAnswer(Duration),
+    #[error("cannot encode {0}")]
+    Encode(String),
     #[error("no statements for table {0}")]
     UnknownTable(&'static str),
 }
@@ -43,18 +48,41 @@ pub enum StoreError {
 pub struct Table {
     name: &'static str,
     deadline: &'static str,
+    kind: &'static str,
+}
+
+/// What `timeoutd pending` and the gauges report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PendingCounts {
+    pub pending: i64,
+    pub due: i64,
+    pub overdue: i64,
+    pub failing: i64,
 }
 
 /// The process manager's expectations (contract section 2).
 pub const EXPECTATIONS: Table = Table {
     name: "expected_messages",
     deadline: "timeout_at",
+    kind: "expectation",
+};
+
+/// Messages published with a delay (contract section 7).
+pub const DELAYED: Table = Table {
+    name: "delayed_messages",
+    deadline: "deliver_at",
+    kind: "delayed",
 };
 
 /// Every table the scan fires from.
-const TABLES: [Table; 1] = [EXPECTATIONS];
+pub const TABLES: [Table; 2] = [EXPECTATIONS, DELAYED];
 
 impl Table {
+    /// What logs, metrics and `pending` call its rows.
+    pub const fn kind(&self) -> &'static str {
+        self.kind
+    }
+
     /// Due means: the deadline has passed and so has any retry time (`greatest` ignores
     /// NULL). The expression index of migration 0003 serves exactly this expression.
     fn due_at(&self) -> String {
@@ -84,6 +112,7 @@ impl Table {
 #[derive(Debug, Clone)]
 struct Sql {
     expectations: expectations::Statements,
+    delayed: delayed::Statements,
     writes: Vec<settle::Writes>,
 }
 
@@ -91,6 +120,7 @@ impl Sql {
     fn new(schema: &str) -> Self {
         Self {
             expectations: expectations::Statements::new(schema),
+            delayed: delayed::Statements::new(schema),
             writes: TABLES
                 .iter()
                 .map(|t| settle::Writes::new(schema, *t))
@@ -170,6 +200,20 @@ impl Store {
             }
         }
         Ok(earliest)
+    }
+
+    /// Counts of one table for operators; `overdue` means due for longer than `late`.
+    pub async fn counts(&self, table: Table, late: Duration) -> Result<PendingCounts, StoreError> {
+        let row = sqlx::query(safe(&self.writes(table)?.counts))
+            .bind(format!("{} milliseconds", late.as_millis()))
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(PendingCounts {
+            pending: row.try_get("pending")?,
+            due: row.try_get("due")?,
+            overdue: row.try_get("overdue")?,
+            failing: row.try_get("failing")?,
+        })
     }
 
     fn writes(&self, table: Table) -> Result<&Writes, StoreError> {

@@ -32,13 +32,14 @@ use futures_util::StreamExt;
 use futures_util::future::join_all;
 use lapin::options::BasicPublishOptions;
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, PublisherConfirm};
 use tokio::time::timeout_at;
 use tokio_util::sync::CancellationToken;
 
+use super::convert::{lapin_properties, short};
 use super::{Bus, BusError};
-use crate::wire::{Message, Properties};
+use crate::wire::Message;
 
 /// Pilot chains and shared groups in flight at once (each holds a channel).
 const JOBS_PARALLEL: usize = 8;
@@ -80,42 +81,6 @@ impl<'a> Outgoing<'a> {
         };
         (outgoing, invalid)
     }
-}
-
-/// The wire format's properties as lapin's; a value too long for its AMQP type is the
-/// message's own failure.
-pub fn lapin_properties(p: &Properties) -> Result<BasicProperties, PublishError> {
-    let short_prop = |v: &Option<String>, what| -> Result<Option<ShortString>, PublishError> {
-        v.as_deref().map(|v| short(v, what)).transpose()
-    };
-    let mut props = BasicProperties::default();
-    if let Some(v) = short_prop(&p.kind, "type")? {
-        props = props.with_type(v);
-    }
-    if let Some(v) = short_prop(&p.message_id, "message_id")? {
-        props = props.with_message_id(v);
-    }
-    if let Some(v) = short_prop(&p.correlation_id, "correlation_id")? {
-        props = props.with_correlation_id(v);
-    }
-    if let Some(v) = short_prop(&p.content_type, "content_type")? {
-        props = props.with_content_type(v);
-    }
-    if let Some(mode) = p.delivery_mode {
-        props = props.with_delivery_mode(mode);
-    }
-    if let Some(at) = p.timestamp {
-        props = props.with_timestamp(at);
-    }
-    if !p.headers.is_empty() {
-        let mut table = FieldTable::default();
-        for (key, value) in &p.headers {
-            let value = AMQPValue::LongString(value.as_str().into());
-            table.insert(short(key, "header name")?, value);
-        }
-        props = props.with_headers(table);
-    }
-    Ok(props)
 }
 
 /// Why one message was not confirmed.
@@ -606,9 +571,4 @@ fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
         },
         _ => None,
     }
-}
-
-pub(super) fn short(s: &str, what: &str) -> Result<ShortString, PublishError> {
-    ShortString::try_new(s)
-        .map_err(|_| PublishError::Invalid(format!("{what} longer than 255 bytes")))
 }

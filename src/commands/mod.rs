@@ -18,6 +18,9 @@ use crate::telemetry;
 pub const EXIT_CONFIG: u8 = 2;
 /// Exit code when the node lagged for too long and wants to be restarted.
 pub const EXIT_LAGGING: u8 = 3;
+/// Exit code of `cancel` when no such delayed message is pending (already delivered,
+/// cancelled before, or never stored).
+pub const EXIT_NOT_PENDING: u8 = 4;
 
 pub async fn dispatch(cli: Cli) -> ExitCode {
     let settings = match Settings::load(cli.config.as_deref()) {
@@ -32,6 +35,7 @@ pub async fn dispatch(cli: Cli) -> ExitCode {
         Command::Expect(args) => expect(&settings, args).await,
         Command::Members(args) => members::members(&settings, args).await,
         Command::Pending(args) => pending::pending(&settings, args).await,
+        Command::Cancel(args) => cancel(&settings, &args.message_id).await,
     };
     match result {
         Ok(code) => code,
@@ -46,6 +50,22 @@ pub async fn dispatch(cli: Cli) -> ExitCode {
 fn config_error(e: &ConfigError) -> ExitCode {
     eprintln!("error: {e}");
     ExitCode::from(EXIT_CONFIG)
+}
+
+async fn cancel(settings: &Settings, message_id: &str) -> anyhow::Result<ExitCode> {
+    let store = Store::connect(&settings.postgres)?;
+    let cancelled = store
+        .cancel_delayed(message_id)
+        .await
+        .context("cancelling the delayed message")?;
+    store.close().await;
+    if cancelled {
+        println!("cancelled {message_id:?}");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("not pending: {message_id:?} (already delivered, cancelled, or unknown)");
+        Ok(ExitCode::from(EXIT_NOT_PENDING))
+    }
 }
 
 async fn migrate(settings: &Settings) -> anyhow::Result<ExitCode> {

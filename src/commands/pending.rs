@@ -1,4 +1,4 @@
-//! `timeoutd pending`: counts and a peek at expectations; read-only.
+//! `timeoutd pending`: counts and a peek at expectations and delayed messages; read-only.
 
 use std::process::ExitCode;
 
@@ -6,43 +6,67 @@ use anyhow::Context;
 
 use crate::cli::PendingArgs;
 use crate::config::Settings;
-use crate::store::{PendingFilter, PendingRow, Store};
+use crate::store::{DELAYED, PendingDelayed, PendingFilter, PendingRow, Store};
 
 pub async fn pending(settings: &Settings, args: PendingArgs) -> anyhow::Result<ExitCode> {
     let store = Store::connect(&settings.postgres)?;
+    let late = settings.election.tick;
     let counts = store
-        .pending_counts(settings.election.tick)
+        .pending_counts(late)
         .await
         .context("counting expectations")?;
+    let delayed = store
+        .counts(DELAYED, late)
+        .await
+        .context("counting delayed messages")?;
     let filter = match (args.list, args.failing) {
         (_, true) => Some(PendingFilter::Failing),
         (true, _) => Some(PendingFilter::All),
         _ => None,
     };
-    let rows = match filter {
-        Some(f) => store
-            .list(f, args.limit)
-            .await
-            .context("listing expectations")?,
-        None => Vec::new(),
+    let (rows, delayed_rows) = match filter {
+        Some(f) => (
+            store
+                .list(f, args.limit)
+                .await
+                .context("listing expectations")?,
+            store
+                .list_delayed(f, args.limit)
+                .await
+                .context("listing delayed messages")?,
+        ),
+        None => (Vec::new(), Vec::new()),
     };
     store.close().await;
     if args.json {
-        let out = serde_json::json!({ "counts": counts, "rows": filter.map(|_| &rows) });
+        let out = serde_json::json!({
+            "counts": counts,
+            "rows": filter.map(|_| &rows),
+            "delayed": { "counts": delayed, "rows": filter.map(|_| &delayed_rows) },
+        });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!(
-            "pending {}  due {}  overdue {}  failing {}",
-            counts.pending, counts.due, counts.overdue, counts.failing
-        );
+        for (kind, c) in [("expectations", counts), ("delayed     ", delayed)] {
+            println!(
+                "{kind}  pending {}  due {}  overdue {}  failing {}",
+                c.pending, c.due, c.overdue, c.failing
+            );
+        }
         rows.iter().for_each(print_row);
+        delayed_rows.iter().for_each(print_delayed);
     }
     Ok(ExitCode::SUCCESS)
 }
 
+fn last_error(e: &Option<String>) -> String {
+    e.as_ref()
+        .map(|e| format!(" last_error={e:?}"))
+        .unwrap_or_default()
+}
+
 fn print_row(r: &PendingRow) {
     println!(
-        "{}  {}  {}  {}  exchange={:?} key={:?} attempts={}{}{}",
+        "expectation {}  {}  {}  {}  exchange={:?} key={:?} attempts={}{}{}",
         r.id,
         r.timeout_at.to_rfc3339(),
         r.process_id,
@@ -51,9 +75,21 @@ fn print_row(r: &PendingRow) {
         r.routing_key,
         r.attempts,
         if r.parked { " PARKED" } else { "" },
-        r.last_error
-            .as_ref()
-            .map(|e| format!(" last_error={e:?}"))
-            .unwrap_or_default()
+        last_error(&r.last_error)
+    );
+}
+
+fn print_delayed(r: &PendingDelayed) {
+    println!(
+        "delayed {}  {}  message_id={:?}  exchange={:?} key={:?} bytes={} attempts={}{}{}",
+        r.id,
+        r.deliver_at.to_rfc3339(),
+        r.message_id,
+        r.exchange,
+        r.routing_key,
+        r.body_bytes,
+        r.attempts,
+        if r.held { " HELD" } else { "" },
+        last_error(&r.last_error)
     );
 }

@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::store::{DueRow, EXPECTATIONS, Store, StoreError, Table};
+use crate::store::{DELAYED, DelayedRow, DueRow, EXPECTATIONS, Store, StoreError, Table};
 use crate::wire::{self, Invalid, Message};
 
 /// A kind of due row: where it is stored, how it is read, what it becomes on the wire.
@@ -59,7 +59,7 @@ pub struct Expectations;
 
 impl Kind for Expectations {
     type Row = DueRow;
-    const NAME: &'static str = "expectation";
+    const NAME: &'static str = EXPECTATIONS.kind();
     const MESSAGE: &'static str = "TimeOut";
     const TABLE: Table = EXPECTATIONS;
 
@@ -106,6 +106,65 @@ impl Due for DueRow {
 
     fn withheld(&self) -> Option<usize> {
         self.payload_withheld()
+    }
+
+    fn destination(&self) -> (&str, &str) {
+        (&self.exchange, &self.routing_key)
+    }
+}
+
+/// Messages published with a delay, delivered as they were.
+pub struct Delayed;
+
+impl Kind for Delayed {
+    type Row = DelayedRow;
+    const NAME: &'static str = DELAYED.kind();
+    const MESSAGE: &'static str = "delayed message";
+    const TABLE: Table = DELAYED;
+
+    async fn lock_due(
+        store: &Store,
+        tx: &mut PgConnection,
+        limit: u32,
+        inline: usize,
+        skip: &[Uuid],
+    ) -> Result<Vec<DelayedRow>, StoreError> {
+        store.lock_due_delayed(tx, limit, inline, skip).await
+    }
+
+    async fn fetch_withheld(
+        store: &Store,
+        tx: &mut PgConnection,
+        row: &mut DelayedRow,
+    ) -> Result<(), StoreError> {
+        row.body = store.delayed_body(tx, row.id).await?;
+        Ok(())
+    }
+
+    fn message(row: &DelayedRow, node: Uuid) -> Result<Message, Invalid> {
+        wire::delayed::delivery(row, node)
+    }
+}
+
+impl Due for DelayedRow {
+    fn id(&self) -> Uuid {
+        self.id
+    }
+
+    fn deadline(&self) -> DateTime<Utc> {
+        self.deliver_at
+    }
+
+    fn fired_at(&self) -> DateTime<Utc> {
+        self.fired_at
+    }
+
+    fn attempts(&self) -> i32 {
+        self.attempts
+    }
+
+    fn withheld(&self) -> Option<usize> {
+        self.body_withheld()
     }
 
     fn destination(&self) -> (&str, &str) {

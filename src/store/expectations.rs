@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgConnection, Row};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{EXPECTATIONS, Store, StoreError, safe};
+use super::{EXPECTATIONS, PendingCounts, Store, StoreError, safe};
 
 /// One due row, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -39,15 +39,6 @@ impl DueRow {
             _ => None,
         }
     }
-}
-
-/// What `timeoutd pending` and the gauges report.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct PendingCounts {
-    pub pending: i64,
-    pub due: i64,
-    pub overdue: i64,
-    pub failing: i64,
 }
 
 /// One row as `timeoutd pending --list` shows it.
@@ -99,7 +90,6 @@ pub fn lock_due_sql(table: &str) -> String {
 pub(super) struct Statements {
     lock_due: Arc<str>,
     payload: Arc<str>,
-    counts: Arc<str>,
     list_all: Arc<str>,
     list_failing: Arc<str>,
 }
@@ -119,13 +109,6 @@ impl Statements {
         Self {
             lock_due: lock_due_sql(&t).into(),
             payload: format!("SELECT payload::text FROM {t} WHERE id = $1").into(),
-            counts: format!(
-                "SELECT count(*) AS pending, \
-                 count(*) FILTER (WHERE timeout_at <= now()) AS due, \
-                 count(*) FILTER (WHERE timeout_at <= now() - $1::interval) AS overdue, \
-                 count(*) FILTER (WHERE attempts > 0) AS failing FROM {t}"
-            )
-            .into(),
             list_all: format!("SELECT {cols} FROM {t} AS m ORDER BY m.timeout_at LIMIT $1").into(),
             list_failing: format!(
                 "SELECT {cols} FROM {t} AS m WHERE m.attempts > 0 ORDER BY m.timeout_at LIMIT $1"
@@ -169,16 +152,7 @@ impl Store {
 
     /// Counts for operators; `overdue` means due for longer than `late`.
     pub async fn pending_counts(&self, late: Duration) -> Result<PendingCounts, StoreError> {
-        let row = sqlx::query(safe(&self.sql.expectations.counts))
-            .bind(format!("{} milliseconds", late.as_millis()))
-            .fetch_one(&self.pool)
-            .await?;
-        Ok(PendingCounts {
-            pending: row.try_get("pending")?,
-            due: row.try_get("due")?,
-            overdue: row.try_get("overdue")?,
-            failing: row.try_get("failing")?,
-        })
+        self.counts(EXPECTATIONS, late).await
     }
 
     /// Peek at rows, earliest deadline first; never changes them.

@@ -63,6 +63,7 @@ const NEXT_ATTEMPT: &str = "CASE WHEN m.attempts < 2147483647 THEN m.attempts + 
 pub(super) struct Writes {
     pub(super) table: Table,
     pub(super) next_due: Arc<str>,
+    pub(super) counts: Arc<str>,
     delete: Arc<str>,
     delete_fired: Arc<str>,
     fail: Arc<str>,
@@ -79,6 +80,13 @@ impl Writes {
             next_due: format!(
                 "SELECT extract(epoch FROM ({due_at} - now()))::float8 FROM {t} AS m \
                  ORDER BY {due_at} LIMIT 1"
+            )
+            .into(),
+            counts: format!(
+                "SELECT count(*) AS pending, \
+                 count(*) FILTER (WHERE {deadline} <= now()) AS due, \
+                 count(*) FILTER (WHERE {deadline} <= now() - $1::interval) AS overdue, \
+                 count(*) FILTER (WHERE attempts > 0) AS failing FROM {t} AS m"
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = ANY($1)").into(),

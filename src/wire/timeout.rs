@@ -4,7 +4,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::{Invalid, Message, Properties, short};
+use super::{Invalid, Message, Properties, Value, short};
 use crate::store::DueRow;
 
 /// AMQP `type` of every TimeOut.
@@ -34,7 +34,8 @@ pub fn timeout(row: &DueRow, node: Uuid) -> Result<Message, Invalid> {
         content_type: Some("application/json".to_owned()),
         delivery_mode: Some(2),
         timestamp: Some(u64::try_from(row.fired_at.timestamp()).unwrap_or(0)),
-        headers: vec![(NODE_HEADER.to_owned(), node.to_string())],
+        headers: vec![(NODE_HEADER.to_owned(), Value::Str(node.to_string()))],
+        ..Properties::default()
     };
     Ok(Message {
         exchange: row.exchange.clone(),

@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::common::{Inbox, Proc, World, wait_for};
 use crate::http::get;
 
-fn timeoutd(world: &World, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
+pub fn timeoutd(world: &World, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
         .args(args)
         .envs(world.env())

@@ -149,7 +149,24 @@ impl World {
             .expect("count")
     }
 
+    /// The delayed-message ingress exchange and queue of this world's group.
+    pub fn ingress(&self) -> String {
+        format!("timeoutd.delay.{}", self.group)
+    }
+
     pub async fn cleanup(self) {
+        // The ingress queue and exchange are durable: remove them (best effort).
+        let conn = amqp().await;
+        if let Ok(ch) = conn.create_channel().await {
+            let name = self.ingress();
+            let _ = ch
+                .queue_delete(name.as_str().into(), Default::default())
+                .await;
+            let _ = ch
+                .exchange_delete(name.as_str().into(), Default::default())
+                .await;
+        }
+        let _ = conn.close(200, "OK".into()).await;
         let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema);
         sqlx::query(sqlx::AssertSqlSafe(sql))
             .execute(&self.pool)
@@ -172,6 +189,8 @@ pub struct Received {
     pub properties: lapin::BasicProperties,
     pub routing_key: String,
     pub body: serde_json::Value,
+    /// The body as it arrived.
+    pub raw: Vec<u8>,
 }
 
 impl Received {
@@ -227,6 +246,7 @@ impl Inbox {
                     properties: d.properties.clone(),
                     routing_key: d.routing_key.to_string(),
                     body,
+                    raw: d.data,
                 });
             }
         });

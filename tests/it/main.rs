@@ -8,6 +8,8 @@ mod bad_input;
 mod cli;
 mod client;
 mod common;
+mod delayed;
+mod delayed_chaos;
 mod election;
 mod failover;
 mod faults;

@@ -1,0 +1,193 @@
+//! The delayed-message ingress on the broker: the group's ingress exchange and durable
+//! quorum queue, consumed with manual acks and a bounded prefetch. Deliveries leave here
+//! as plain wire messages; they are acknowledged (all at once, `multiple`) only after
+//! the caller stored them.
+
+use futures_util::{FutureExt, StreamExt};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Consumer, ExchangeKind};
+
+use super::convert::wire_properties;
+use super::{Bus, BusError, bounded};
+use crate::wire::Message;
+
+/// Quorum queues of RabbitMQ 4 drop a message after 20 returned deliveries unless told
+/// otherwise; a database outage must never cost a message that way. The ingress never
+/// returns messages on purpose (it holds them until they are stored), so this many
+/// returns (channel closes, node crashes) cannot be reached in practice.
+pub const DELIVERY_LIMIT: i64 = 1_000_000;
+
+/// Where the ingress consumes and where messages go by default.
+#[derive(Debug, Clone)]
+pub struct IngressSpec {
+    /// The ingress exchange and queue (one name for both).
+    pub name: String,
+    pub target_exchange: String,
+    pub prefetch: u16,
+}
+
+/// A consuming ingress.
+pub struct Ingress {
+    channel: Channel,
+    consumer: Consumer,
+}
+
+/// One arrived message and the tag that acknowledges it.
+pub struct Arrived {
+    pub tag: u64,
+    pub message: Message,
+}
+
+impl Bus {
+    /// Declare the ingress topology and start consuming.
+    pub async fn ingress(&self, spec: &IngressSpec) -> Result<Ingress, BusError> {
+        let limit = self.settings.connect_timeout;
+        self.declare_target(&spec.target_exchange).await?;
+        let channel = bounded("open channel", limit, self.conn.create_channel()).await?;
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let declare = channel.exchange_declare(
+            spec.name.as_str().into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        );
+        bounded("declare ingress exchange", limit, declare).await?;
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(DELIVERY_LIMIT),
+        );
+        let options = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let queue = channel.queue_declare(spec.name.as_str().into(), options, args);
+        bounded("declare ingress queue", limit, queue).await?;
+        let bind = channel.queue_bind(
+            spec.name.as_str().into(),
+            spec.name.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        );
+        bounded("bind ingress queue", limit, bind).await?;
+        let qos = channel.basic_qos(spec.prefetch, BasicQosOptions::default());
+        bounded("qos", limit, qos).await?;
+        let consume = channel.basic_consume(
+            spec.name.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        );
+        let consumer = bounded("consume ingress", limit, consume).await?;
+        Ok(Ingress { channel, consumer })
+    }
+
+    /// The default target exchange exists afterwards: declared as a durable topic
+    /// exchange unless it exists already (of whatever type the operator chose).
+    async fn declare_target(&self, name: &str) -> Result<(), BusError> {
+        let limit = self.settings.connect_timeout;
+        let channel = bounded("open channel", limit, self.conn.create_channel()).await?;
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let exists = channel.exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            passive,
+            FieldTable::default(),
+        );
+        match bounded("find target exchange", limit, exists).await {
+            Ok(()) => {
+                let _ = channel.close(200, "OK".into()).await;
+                return Ok(());
+            }
+            Err(BusError::Amqp(e)) if is_not_found(&e) => {}
+            Err(e) => return Err(e),
+        }
+        // The 404 closed that channel.
+        let channel = bounded("open channel", limit, self.conn.create_channel()).await?;
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let declare = channel.exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        );
+        bounded("declare target exchange", limit, declare).await?;
+        let _ = channel.close(200, "OK".into()).await;
+        Ok(())
+    }
+}
+
+fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(
+        e.kind(),
+        lapin::ErrorKind::ProtocolError(p)
+            if p.kind() == &AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+    )
+}
+
+impl Ingress {
+    /// The next messages: waits for one, then takes what has already arrived, up to
+    /// `max`. `Err` when the channel or connection failed, or the broker cancelled us.
+    pub async fn next_batch(&mut self, max: usize) -> Result<Vec<Arrived>, BusError> {
+        let first = self
+            .consumer
+            .next()
+            .await
+            .ok_or(BusError::ConnectionLost)??;
+        let mut batch = vec![arrived(first)];
+        while batch.len() < max {
+            match self.consumer.next().now_or_never() {
+                Some(Some(d)) => batch.push(arrived(d?)),
+                Some(None) => return Err(BusError::ConnectionLost),
+                None => break,
+            }
+        }
+        Ok(batch)
+    }
+
+    /// Acknowledge every delivery up to and including `tag`.
+    pub async fn ack_up_to(&self, tag: u64) -> Result<(), BusError> {
+        let ack = self
+            .channel
+            .basic_ack(tag, BasicAckOptions { multiple: true });
+        Ok(ack.await?)
+    }
+
+    /// Stop consuming: deliveries not acknowledged go back to the queue, for the nodes
+    /// that can store them. Bounded: a slow broker must not hold up a stop (closing the
+    /// connection returns them too).
+    pub async fn close(self, limit: std::time::Duration) {
+        let _ = tokio::time::timeout(limit, self.channel.close(200, "OK".into())).await;
+    }
+}
+
+fn arrived(d: lapin::message::Delivery) -> Arrived {
+    Arrived {
+        tag: d.delivery_tag,
+        message: Message {
+            exchange: d.exchange.as_str().to_owned(),
+            routing_key: d.routing_key.as_str().to_owned(),
+            properties: wire_properties(&d.properties),
+            body: d.data,
+        },
+    }
+}

@@ -1,0 +1,300 @@
+//! The ingress task (every node, active or not): consume the group's delayed-message
+//! queue, store what arrives in `delayed_messages`, acknowledge after the commit. A
+//! message is acknowledged only once it is stored, so a crash between commit and ack
+//! redelivers it and the unique `message_id` keeps it from being stored twice. A node
+//! whose database is away holds its unacknowledged messages for a while, then gives
+//! them back to the queue (for nodes that can store them) and stops consuming until
+//! Postgres answers again.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::bus::{Arrived, Bus, Ingress, IngressSpec};
+use crate::config::Settings;
+use crate::shutdown::sleep_or_stop;
+use crate::status::{IngressStatus, Probe};
+use crate::store::{IngestOutcome, Store, StoreError};
+use crate::telemetry::Chain;
+use crate::wire::Properties;
+use crate::wire::delayed::{self, Ingest, Rules, Stored};
+
+/// Closing the ingress channel is a courtesy (closing the connection returns the
+/// unacknowledged messages too): never wait long for it.
+const CLOSE_LIMIT: Duration = Duration::from_secs(1);
+
+/// What the ingress task uses.
+pub(crate) struct Intake {
+    pub(crate) settings: Arc<Settings>,
+    pub(crate) store: Store,
+    pub(crate) bus: watch::Receiver<Option<Arc<Bus>>>,
+    pub(crate) probe: Arc<Probe>,
+    pub(crate) stop: CancellationToken,
+}
+
+/// Why consuming ended.
+enum Ended {
+    Stop,
+    /// The channel or connection failed: wait for the node task's next connection.
+    BusLost,
+    /// Postgres did not take the batch in time: messages given back, wait for it.
+    DatabaseAway,
+}
+
+impl Intake {
+    fn spec(&self) -> IngressSpec {
+        IngressSpec {
+            name: self.settings.delay_exchange(),
+            target_exchange: self.settings.delay.target_exchange.clone(),
+            prefetch: self.settings.delay.prefetch,
+        }
+    }
+
+    fn rules(&self) -> Rules {
+        Rules {
+            target_exchange: self.settings.delay.target_exchange.clone(),
+            max_body: usize::try_from(self.settings.delay.max_body.as_u64()).unwrap_or(usize::MAX),
+        }
+    }
+
+    fn set_consuming(&self, consuming: bool, error: Option<String>) {
+        self.probe.metrics.set_ingress_consuming(consuming);
+        self.probe.update(|s| {
+            let i = s.ingress.get_or_insert_with(IngressStatus::default);
+            i.consuming = consuming;
+            if error.is_some() {
+                i.last_error = error;
+            }
+        });
+    }
+}
+
+/// Consume the ingress queue until stopped: with every broker connection the node task
+/// makes, and again whenever the database is back.
+pub(crate) async fn ingress_loop(ctx: Intake) {
+    let spec = ctx.spec();
+    ctx.probe.update(|s| {
+        s.ingress = Some(IngressStatus {
+            queue: spec.name.clone(),
+            ..IngressStatus::default()
+        })
+    });
+    let mut bus_rx = ctx.bus.clone();
+    let mut backoff = Backoff::new(ctx.settings.backoff.min, ctx.settings.backoff.max);
+    loop {
+        let Some(bus) = next_bus(&mut bus_rx, &ctx.stop).await else {
+            return;
+        };
+        let opened = tokio::select! {
+            _ = ctx.stop.cancelled() => return,
+            opened = bus.ingress(&spec) => opened,
+        };
+        let ended = match opened {
+            Ok(ingress) => {
+                tracing::info!(queue = %spec.name, "consuming delayed messages");
+                ctx.set_consuming(true, None);
+                backoff.reset();
+                consume(&ctx, ingress).await
+            }
+            Err(e) => {
+                tracing::error!(queue = %spec.name, error = %Chain(&e), "cannot consume the delay ingress");
+                ctx.set_consuming(false, Some(format!("{:#}", anyhow::Error::new(e))));
+                Ended::BusLost
+            }
+        };
+        ctx.set_consuming(false, None);
+        match ended {
+            Ended::Stop => return,
+            Ended::BusLost => {}
+            Ended::DatabaseAway => wait_for_database(&ctx).await,
+        }
+        if !sleep_or_stop(&ctx.stop, backoff.next_delay()).await {
+            return;
+        }
+    }
+}
+
+/// The node task's current connection, once there is a healthy one; `None` on stop.
+async fn next_bus(
+    rx: &mut watch::Receiver<Option<Arc<Bus>>>,
+    stop: &CancellationToken,
+) -> Option<Arc<Bus>> {
+    loop {
+        let current = rx.borrow_and_update().clone();
+        if let Some(bus) = current.filter(|b| b.is_healthy()) {
+            return Some(bus);
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return None,
+            changed = rx.changed() => if changed.is_err() { return None },
+            // A connection that broke without a new one published yet.
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
+    let rules = ctx.rules();
+    let max = usize::from(ctx.settings.delay.prefetch);
+    loop {
+        let batch = tokio::select! {
+            _ = ctx.stop.cancelled() => {
+                ingress.close(CLOSE_LIMIT).await;
+                return Ended::Stop;
+            }
+            batch = ingress.next_batch(max) => batch,
+        };
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %Chain(&e), "delay ingress lost its channel");
+                return Ended::BusLost;
+            }
+        };
+        if let Err(ended) = take_in(ctx, &ingress, batch, &rules).await {
+            ingress.close(CLOSE_LIMIT).await;
+            return ended;
+        }
+    }
+}
+
+/// Store one batch, then acknowledge it.
+async fn take_in(
+    ctx: &Intake,
+    ingress: &Ingress,
+    batch: Vec<Arrived>,
+    rules: &Rules,
+) -> Result<(), Ended> {
+    let arrived = Instant::now();
+    let Some(last) = batch.last().map(|a| a.tag) else {
+        return Ok(());
+    };
+    let items: Vec<Ingest> = batch
+        .into_iter()
+        .map(|a| delayed::ingest(a.message, rules))
+        .collect();
+    let outcome = store(ctx, &items).await?;
+    ctx.probe.metrics.ingested(&outcome, arrived.elapsed());
+    ctx.probe.update(|s| {
+        if let Some(i) = s.ingress.as_mut() {
+            i.stored_total += outcome.stored;
+        }
+    });
+    if outcome.held > 0 {
+        tracing::warn!(
+            held = outcome.held,
+            "delayed messages with bad input stored as failing (see timeoutd pending --failing)"
+        );
+    }
+    // Stored but not acknowledged is safe: the redelivery finds its message_id stored.
+    ingress.ack_up_to(last).await.map_err(|e| {
+        tracing::warn!(error = %Chain(&e), "cannot acknowledge stored delayed messages");
+        Ended::BusLost
+    })
+}
+
+/// Store a batch, retrying while the database is away for up to `election.member_ttl`
+/// (the messages wait, unacknowledged). A batch the database refuses is stored message
+/// by message, so one bad message never holds up the others.
+async fn store(ctx: &Intake, items: &[Ingest]) -> Result<IngestOutcome, Ended> {
+    let give_up = Instant::now() + ctx.settings.election.member_ttl;
+    let mut backoff = Backoff::new(ctx.settings.backoff.min, ctx.settings.backoff.max);
+    loop {
+        match bounded(ctx, ctx.store.ingest(items)).await {
+            Ok(outcome) => return Ok(outcome),
+            Err(StoreError::Db(sqlx::Error::Database(e))) => {
+                tracing::warn!(error = %e, "the database refused a batch of delayed messages: storing them one by one");
+                return Ok(store_alone(ctx, items).await);
+            }
+            Err(e) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = %Chain(&e), retry_in = ?delay, "cannot store delayed messages yet");
+                if Instant::now() + delay > give_up {
+                    tracing::error!(
+                        "database away: giving the delayed messages back to the queue and pausing the ingress"
+                    );
+                    return Err(Ended::DatabaseAway);
+                }
+                if !sleep_or_stop(&ctx.stop, delay).await {
+                    return Err(Ended::Stop);
+                }
+            }
+        }
+    }
+}
+
+/// Each message in a transaction of its own; one the database refuses as it is is
+/// stored held, with its body and the database's reason; one that cannot be stored at
+/// all is logged and counted (the database refused even the plain row).
+async fn store_alone(ctx: &Intake, items: &[Ingest]) -> IngestOutcome {
+    let mut total = IngestOutcome::default();
+    for item in items {
+        let outcome = match bounded(ctx, ctx.store.ingest(std::slice::from_ref(item))).await {
+            Ok(o) => Ok(o),
+            Err(StoreError::Db(sqlx::Error::Database(e))) => match item {
+                Ingest::Store(s) => {
+                    let plain = Ingest::Store(Box::new(held_plain(s, &e.to_string())));
+                    bounded(ctx, ctx.store.ingest(&[plain])).await
+                }
+                Ingest::Cancel(_) => Err(StoreError::Db(sqlx::Error::Database(e))),
+            },
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(o) => total = total.plus(o),
+            Err(e) => {
+                tracing::error!(error = %Chain(&e), "a delayed message could not be stored at all: dropped");
+                ctx.probe.metrics.ingest_dropped();
+            }
+        }
+    }
+    total
+}
+
+/// A message the database would not take as it was: body and routing key kept, the
+/// rest replaced by the reason, held for an operator.
+fn held_plain(s: &Stored, why: &str) -> Stored {
+    let id = uuid::Uuid::new_v4().to_string();
+    Stored {
+        message_id: id.clone(),
+        due: s.due,
+        exchange: s.exchange.clone(),
+        routing_key: s.routing_key.clone(),
+        properties: Properties {
+            message_id: Some(id),
+            ..Properties::default()
+        },
+        body: s.body.clone(),
+        held: Some(format!(
+            "the database refused the message as published ({why}); its properties are lost"
+        )),
+    }
+}
+
+async fn bounded<T>(
+    ctx: &Intake,
+    step: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let limit = ctx.settings.postgres.statement_timeout + ctx.settings.postgres.connect_timeout;
+    tokio::time::timeout(limit, step)
+        .await
+        .unwrap_or(Err(StoreError::NoAnswer(limit)))
+}
+
+/// Until Postgres answers (or a stop).
+async fn wait_for_database(ctx: &Intake) {
+    let mut backoff = Backoff::new(ctx.settings.backoff.min, ctx.settings.backoff.max);
+    while ctx
+        .store
+        .ping(ctx.settings.postgres.connect_timeout)
+        .await
+        .is_err()
+    {
+        if !sleep_or_stop(&ctx.stop, backoff.next_delay()).await {
+            return;
+        }
+    }
+}

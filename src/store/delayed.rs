@@ -1,0 +1,284 @@
+//! Delayed messages (table `delayed_messages`): storing what the ingress receives, the
+//! due row the scan locks, and cancels.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use serde::Serialize;
+
+use super::{DELAYED, PendingFilter, Store, StoreError, safe};
+use crate::wire::delayed::{Due, Ingest, Stored};
+
+/// One due delayed message, locked by the scan's transaction.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct DelayedRow {
+    pub id: Uuid,
+    pub message_id: String,
+    pub deliver_at: DateTime<Utc>,
+    pub exchange: String,
+    pub routing_key: String,
+    /// The stored properties (JSON of `wire::Properties`).
+    pub properties: String,
+    /// `None` when larger than the scan asked for (then `body_bytes` says how large).
+    pub body: Option<Vec<u8>>,
+    pub body_bytes: i32,
+    pub attempts: i32,
+    pub created_at: DateTime<Utc>,
+    /// Database clock when the row was read: never before `deliver_at`.
+    pub fired_at: DateTime<Utc>,
+}
+
+impl DelayedRow {
+    /// The body was left in the database because it is larger than the limit.
+    pub fn body_withheld(&self) -> Option<usize> {
+        match self.body {
+            None => Some(usize::try_from(self.body_bytes).unwrap_or(usize::MAX)),
+            Some(_) => None,
+        }
+    }
+}
+
+/// One delayed message as `timeoutd pending --list` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct PendingDelayed {
+    pub id: Uuid,
+    pub message_id: String,
+    pub deliver_at: DateTime<Utc>,
+    pub exchange: String,
+    pub routing_key: String,
+    pub body_bytes: i32,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub retry_at: Option<DateTime<Utc>>,
+    /// Held for an operator: bad input, or delivered but not deletable (see
+    /// `last_error`); never delivered again by itself.
+    pub held: bool,
+}
+
+/// What one ingest transaction did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IngestOutcome {
+    /// New rows (held ones included).
+    pub stored: u64,
+    /// Messages whose `message_id` was already pending (a redelivery): nothing added.
+    pub duplicates: u64,
+    /// Held for an operator (bad input).
+    pub held: u64,
+    /// Pending messages deleted by cancel messages.
+    pub cancelled: u64,
+}
+
+impl IngestOutcome {
+    pub fn plus(self, o: Self) -> Self {
+        Self {
+            stored: self.stored + o.stored,
+            duplicates: self.duplicates + o.duplicates,
+            held: self.held + o.held,
+            cancelled: self.cancelled + o.cancelled,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Statements {
+    insert: Arc<str>,
+    cancel: Arc<str>,
+    lock_due: Arc<str>,
+    body: Arc<str>,
+    list_all: Arc<str>,
+    list_failing: Arc<str>,
+}
+
+impl Statements {
+    pub(super) fn new(schema: &str) -> Self {
+        let t = format!("{schema}.{}", DELAYED.name);
+        let (deadline, due, due_at) = (DELAYED.deadline(), DELAYED.due(), DELAYED.due_at());
+        let cols = format!(
+            "m.id, m.message_id, {deadline} AS deliver_at, m.exchange, m.routing_key, \
+             octet_length(m.body) AS body_bytes, m.attempts, m.last_error, \
+             CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
+             coalesce(m.retry_at = 'infinity', false) AS held"
+        );
+        Self {
+            // One statement per batch; a message_id already pending (a redelivery after
+            // a crash between commit and ack, or a duplicate in the batch) adds nothing.
+            insert: format!(
+                "INSERT INTO {t} (id, message_id, deliver_at, exchange, routing_key, \
+                 properties, body, attempts, last_error, retry_at) \
+                 SELECT r.id, r.message_id, \
+                 coalesce(r.at, now() + make_interval(secs => r.delay_ms / 1000.0)), \
+                 r.exchange, r.routing_key, r.properties::jsonb, r.body, \
+                 CASE WHEN r.held IS NULL THEN 0 ELSE 1 END, r.held, \
+                 CASE WHEN r.held IS NULL THEN NULL ELSE 'infinity'::timestamptz END \
+                 FROM unnest($1::uuid[], $2::text[], $3::float8[], $4::timestamptz[], \
+                 $5::text[], $6::text[], $7::text[], $8::bytea[], $9::text[]) \
+                 AS r(id, message_id, delay_ms, at, exchange, routing_key, properties, body, held) \
+                 ON CONFLICT (message_id) DO NOTHING"
+            )
+            .into(),
+            cancel: format!("DELETE FROM {t} WHERE message_id = ANY($1)").into(),
+            lock_due: format!(
+                "SELECT m.id, m.message_id, {deadline} AS deliver_at, m.exchange, \
+                 m.routing_key, m.properties::text AS properties, \
+                 CASE WHEN octet_length(m.body) <= $2 THEN m.body END AS body, \
+                 octet_length(m.body) AS body_bytes, m.attempts, m.created_at, \
+                 clock_timestamp() AS fired_at FROM {t} AS m \
+                 WHERE {due} AND m.id <> ALL($3) \
+                 ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
+            )
+            .into(),
+            body: format!("SELECT body FROM {t} WHERE id = $1").into(),
+            list_all: format!("SELECT {cols} FROM {t} AS m ORDER BY m.deliver_at LIMIT $1").into(),
+            list_failing: format!(
+                "SELECT {cols} FROM {t} AS m WHERE m.attempts > 0 ORDER BY m.deliver_at LIMIT $1"
+            )
+            .into(),
+        }
+    }
+}
+
+impl Store {
+    /// Store and cancel in arrival order, in one transaction (a cancel that arrives
+    /// after its message in the same batch still finds it).
+    pub async fn ingest(&self, batch: &[Ingest]) -> Result<IngestOutcome, StoreError> {
+        let mut out = IngestOutcome::default();
+        let mut tx = self.begin().await?;
+        for run in
+            batch.chunk_by(|a, b| matches!(a, Ingest::Store(_)) == matches!(b, Ingest::Store(_)))
+        {
+            match &run[0] {
+                Ingest::Store(_) => self.insert(&mut tx, run, &mut out).await?,
+                Ingest::Cancel(_) => out.cancelled += self.cancel_in(&mut tx, run).await?,
+            }
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    async fn insert(
+        &self,
+        tx: &mut PgConnection,
+        run: &[Ingest],
+        out: &mut IngestOutcome,
+    ) -> Result<(), StoreError> {
+        let rows: Vec<&Stored> = run
+            .iter()
+            .filter_map(|i| match i {
+                Ingest::Store(s) => Some(&**s),
+                Ingest::Cancel(_) => None,
+            })
+            .collect();
+        let mut properties = Vec::with_capacity(rows.len());
+        for r in &rows {
+            properties.push(
+                serde_json::to_string(&r.properties).map_err(|e| {
+                    StoreError::Encode(format!("properties of {}: {e}", r.message_id))
+                })?,
+            );
+        }
+        let (delay_ms, at): (Vec<Option<f64>>, Vec<Option<DateTime<Utc>>>) = rows
+            .iter()
+            .map(|r| match r.due {
+                Due::After(d) => (Some(d.as_secs_f64() * 1000.0), None),
+                Due::At(t) => (None, Some(t)),
+            })
+            .unzip();
+        let inserted = sqlx::query(safe(&self.sql.delayed.insert))
+            .bind(rows.iter().map(|_| Uuid::new_v4()).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|r| r.message_id.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(delay_ms)
+            .bind(at)
+            .bind(rows.iter().map(|r| r.exchange.as_str()).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|r| r.routing_key.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(properties)
+            .bind(rows.iter().map(|r| r.body.as_slice()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.held.as_deref()).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        out.stored += inserted;
+        out.duplicates += rows.len() as u64 - inserted;
+        out.held += rows.iter().filter(|r| r.held.is_some()).count() as u64;
+        Ok(())
+    }
+
+    async fn cancel_in(&self, tx: &mut PgConnection, run: &[Ingest]) -> Result<u64, StoreError> {
+        let ids: Vec<&str> = run
+            .iter()
+            .filter_map(|i| match i {
+                Ingest::Cancel(id) => Some(id.as_str()),
+                Ingest::Store(_) => None,
+            })
+            .collect();
+        let done = sqlx::query(safe(&self.sql.delayed.cancel))
+            .bind(ids)
+            .execute(tx)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// Peek at delayed messages, earliest due first; never changes them.
+    pub async fn list_delayed(
+        &self,
+        filter: PendingFilter,
+        limit: i64,
+    ) -> Result<Vec<PendingDelayed>, StoreError> {
+        let sql = match filter {
+            PendingFilter::All => &self.sql.delayed.list_all,
+            PendingFilter::Failing => &self.sql.delayed.list_failing,
+        };
+        Ok(sqlx::query_as(safe(sql))
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Cancel one pending delayed message: `true` when it was still pending.
+    pub async fn cancel_delayed(&self, message_id: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query(safe(&self.sql.delayed.cancel))
+            .bind(vec![message_id])
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// Lock up to `limit` due delayed messages, as [`Store::lock_due`] does for
+    /// expectations; bodies over `inline` bytes are left in the database.
+    pub async fn lock_due_delayed(
+        &self,
+        tx: &mut PgConnection,
+        limit: u32,
+        inline: usize,
+        skip: &[Uuid],
+    ) -> Result<Vec<DelayedRow>, StoreError> {
+        Ok(sqlx::query_as(safe(&self.sql.delayed.lock_due))
+            .bind(i64::from(limit))
+            .bind(i64::try_from(inline).unwrap_or(i64::MAX))
+            .bind(skip)
+            .fetch_all(tx)
+            .await?)
+    }
+
+    /// The body of one (locked) row that `lock_due_delayed` left behind.
+    pub async fn delayed_body(
+        &self,
+        tx: &mut PgConnection,
+        id: Uuid,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(sqlx::query_scalar(safe(&self.sql.delayed.body))
+            .bind(id)
+            .fetch_optional(tx)
+            .await?)
+    }
+}

@@ -1,0 +1,379 @@
+//! Delayed messages (contract section 7) against the real broker and database: published
+//! as a plugin user would, with `x-delay`, they arrive at the target after the delay,
+//! never before, byte for byte; bad input is kept and held; cancels work three ways.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString};
+use lapin::{BasicProperties, Channel};
+use timeoutd::election::Role;
+
+use crate::common::{Inbox, World, amqp, wait_for, wait_for_async};
+
+/// A world whose delayed messages go to a target exchange of its own.
+async fn delayed_world() -> (World, String) {
+    let mut world = World::new().await;
+    let target = format!("t.delayed.{}", world.group);
+    world.overrides.push((
+        "TIMEOUTD__DELAY__TARGET_EXCHANGE".to_owned(),
+        target.clone(),
+    ));
+    world.migrate().await;
+    (world, target)
+}
+
+/// A publisher with confirms, as a plugin user's would be.
+async fn publisher() -> (lapin::Connection, Channel) {
+    let conn = amqp().await;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    (conn, ch)
+}
+
+async fn publish(ch: &Channel, exchange: &str, key: &str, props: BasicProperties, body: &[u8]) {
+    let confirm = ch
+        .basic_publish(
+            exchange.into(),
+            key.into(),
+            BasicPublishOptions::default(),
+            body,
+            props,
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("confirm");
+    assert!(confirm.is_ack(), "broker confirmed");
+}
+
+fn headers(entries: Vec<(&str, AMQPValue)>) -> FieldTable {
+    let mut t = FieldTable::default();
+    for (k, v) in entries {
+        t.insert(k.into(), v);
+    }
+    t
+}
+
+fn header<'a>(p: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
+    p.headers().as_ref()?.inner().get(name)
+}
+
+async fn wait_active(node: &timeoutd::daemon::Handle) {
+    wait_for(Duration::from_secs(10), "node active", || {
+        *node.role.borrow() == Role::Active
+    })
+    .await;
+}
+
+/// The plugin's way: `x-delay` in milliseconds. The message arrives at the target after
+/// the delay (never before), with its routing key, body bytes, properties and headers
+/// (every AMQP type) as published; `x-delay` is gone, `x-timeoutd-delayed-ms` and
+/// `x-timeoutd-node` are added, `user_id` travels as a header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn x_delay_arrives_after_the_delay_byte_for_byte() {
+    let (world, target) = delayed_world().await;
+    let inbox = Inbox::on_exchange(&target, "orders.#").await;
+    let node = world.start().await;
+    wait_active(&node).await;
+    let (_conn, ch) = publisher().await;
+    let custom = headers(vec![
+        ("x-delay", AMQPValue::LongInt(1500)),
+        ("tenant", AMQPValue::LongString(LongString::from("acme"))),
+        ("n", AMQPValue::LongLongInt(-7)),
+        ("f", AMQPValue::Double(0.25)),
+        ("flag", AMQPValue::Boolean(true)),
+        (
+            "dec",
+            AMQPValue::DecimalValue(DecimalValue {
+                scale: 2,
+                value: 314,
+            }),
+        ),
+        (
+            "bin",
+            AMQPValue::ByteArray(ByteArray::from(vec![0u8, 255, 1])),
+        ),
+        (
+            "list",
+            AMQPValue::FieldArray(FieldArray::from(vec![
+                AMQPValue::ShortInt(3),
+                AMQPValue::Void,
+            ])),
+        ),
+        (
+            "nested",
+            AMQPValue::FieldTable(headers(vec![("k", AMQPValue::Timestamp(1_700_000_000))])),
+        ),
+    ]);
+    let props = BasicProperties::default()
+        .with_message_id("order-42-retry".into())
+        .with_correlation_id("order-42".into())
+        .with_type("RetryPayment".into())
+        .with_content_type("application/octet-stream".into())
+        .with_content_encoding("identity".into())
+        .with_delivery_mode(2)
+        .with_priority(3)
+        .with_reply_to("replies".into())
+        .with_expiration("600000".into())
+        .with_timestamp(1_700_000_123)
+        .with_app_id("billing".into())
+        .with_user_id("guest".into())
+        .with_headers(custom.clone());
+    let body: Vec<u8> = (0..=255u8).chain([0, 0, 10]).collect();
+    let sent = Utc::now();
+    publish(
+        &ch,
+        &world.ingress(),
+        "orders.eu.retry",
+        props.clone(),
+        &body,
+    )
+    .await;
+    wait_for(Duration::from_secs(15), "the delayed message", || {
+        inbox.len() == 1
+    })
+    .await;
+    let got = &inbox.all()[0];
+    let held = (got.at - sent).num_milliseconds();
+    assert!(held >= 1500, "arrived after {held} ms, before its delay");
+    assert_eq!(got.raw, body, "body byte for byte");
+    assert_eq!(got.routing_key, "orders.eu.retry");
+    let p = &got.properties;
+    assert_eq!(p.message_id(), props.message_id());
+    assert_eq!(p.correlation_id(), props.correlation_id());
+    assert_eq!(p.kind(), props.kind());
+    assert_eq!(p.content_type(), props.content_type());
+    assert_eq!(p.content_encoding(), props.content_encoding());
+    assert_eq!(p.delivery_mode(), props.delivery_mode());
+    assert_eq!(p.priority(), props.priority());
+    assert_eq!(p.reply_to(), props.reply_to());
+    assert_eq!(p.expiration(), props.expiration());
+    assert_eq!(p.timestamp(), props.timestamp());
+    assert_eq!(p.app_id(), props.app_id());
+    assert_eq!(p.user_id(), &None, "user_id is not republished");
+    for (k, v) in custom.inner() {
+        if k.as_str() != "x-delay" {
+            assert_eq!(header(p, k.as_str()), Some(v), "header {k}");
+        }
+    }
+    assert_eq!(header(p, "x-delay"), None, "x-delay removed");
+    assert_eq!(
+        header(p, "x-timeoutd-user-id"),
+        Some(&AMQPValue::LongString(LongString::from("guest")))
+    );
+    let Some(AMQPValue::LongLongInt(ms)) = header(p, "x-timeoutd-delayed-ms") else {
+        panic!("x-timeoutd-delayed-ms missing: {p:?}");
+    };
+    assert!(*ms >= 1500, "held {ms} ms");
+    assert_eq!(got.sender(), Some(node.node_id.to_string()));
+    wait_for_async(Duration::from_secs(5), "row deleted", || async {
+        count(&world, "true").await == 0
+    })
+    .await;
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// `x-timeoutd-deliver-at` (RFC 3339) sets the due time; `x-timeoutd-exchange` picks
+/// another exchange; a message without `message_id` gets one; a message with no delay is
+/// delivered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliver_at_exchange_override_and_ids() {
+    let (world, target) = delayed_world().await;
+    let other = format!("t.other.{}", world.group);
+    let inbox = Inbox::on_exchange(&target, "#").await;
+    inbox.bind_new_exchange(&other, "#").await;
+    let node = world.start().await;
+    wait_active(&node).await;
+    let (_conn, ch) = publisher().await;
+    let at = Utc::now() + chrono::Duration::milliseconds(1200);
+    let h = headers(vec![
+        (
+            "x-timeoutd-deliver-at",
+            AMQPValue::LongString(LongString::from(at.to_rfc3339().as_str())),
+        ),
+        (
+            "x-timeoutd-exchange",
+            AMQPValue::LongString(LongString::from(other.as_str())),
+        ),
+    ]);
+    let props = BasicProperties::default()
+        .with_message_id("at-1".into())
+        .with_headers(h);
+    publish(&ch, &world.ingress(), "k.at", props, b"at").await;
+    publish(
+        &ch,
+        &world.ingress(),
+        "k.now",
+        BasicProperties::default(),
+        b"now",
+    )
+    .await;
+    wait_for(Duration::from_secs(15), "both messages", || {
+        inbox.len() == 2
+    })
+    .await;
+    let got = inbox.all();
+    let now = got.iter().find(|r| r.raw == b"now").expect("now");
+    assert!(
+        uuid::Uuid::parse_str(&now.message_id()).is_ok(),
+        "a message without id got a uuid: {:?}",
+        now.message_id()
+    );
+    let at_msg = got.iter().find(|r| r.raw == b"at").expect("at");
+    assert!(
+        at_msg.at >= at,
+        "deliver-at message early: {} < {at}",
+        at_msg.at
+    );
+    assert_eq!(at_msg.message_id(), "at-1");
+    assert!(now.at < at_msg.at, "no delay: delivered at once");
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// Bad input is kept, never dropped: an unparsable `x-delay` or deliver-at, a non-string
+/// exchange header and a body over `delay.max_body` are stored, held (never delivered)
+/// with their reason, and listed by `pending --failing`; a good message in the same
+/// stream is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn junk_headers_and_oversized_bodies_are_kept_as_failing() {
+    let (mut world, target) = delayed_world().await;
+    world
+        .overrides
+        .push(("TIMEOUTD__DELAY__MAX_BODY".to_owned(), "1KiB".to_owned()));
+    let inbox = Inbox::on_exchange(&target, "#").await;
+    let node = world.start().await;
+    wait_active(&node).await;
+    let (_conn, ch) = publisher().await;
+    let bad = [
+        (
+            "bad-delay",
+            vec![("x-delay", AMQPValue::LongString(LongString::from("soon")))],
+            10,
+        ),
+        ("bad-float", vec![("x-delay", AMQPValue::Double(1.5))], 10),
+        (
+            "bad-at",
+            vec![(
+                "x-timeoutd-deliver-at",
+                AMQPValue::LongString(LongString::from("tomorrow")),
+            )],
+            10,
+        ),
+        (
+            "bad-exchange",
+            vec![("x-timeoutd-exchange", AMQPValue::LongInt(5))],
+            10,
+        ),
+        ("too-big", vec![], 4096),
+    ];
+    for (id, h, size) in &bad {
+        let props = BasicProperties::default()
+            .with_message_id((*id).into())
+            .with_headers(headers(h.clone()));
+        publish(&ch, &world.ingress(), "k", props, &vec![b'x'; *size]).await;
+    }
+    let good = BasicProperties::default().with_message_id("good".into());
+    publish(&ch, &world.ingress(), "k", good, b"fine").await;
+    wait_for(Duration::from_secs(10), "the good message", || {
+        inbox.len() == 1
+    })
+    .await;
+    wait_for_async(Duration::from_secs(10), "bad ones stored", || async {
+        count(&world, "attempts > 0").await == bad.len() as i64
+    })
+    .await;
+    let out = crate::cli::timeoutd(&world, &["pending", "--failing", "--json"], &[]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let rows = v["delayed"]["rows"].as_array().expect("rows").clone();
+    assert_eq!(rows.len(), bad.len(), "{v}");
+    for (id, ..) in &bad {
+        let row = rows
+            .iter()
+            .find(|r| r["message_id"] == *id)
+            .unwrap_or_else(|| panic!("{id} listed: {v}"));
+        assert_eq!(row["held"], true, "{row}");
+        assert!(
+            row["last_error"].as_str().is_some_and(|e| !e.is_empty()),
+            "{row}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(inbox.len(), 1, "held messages are never delivered");
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// Cancel by SQL, by the CLI and by a cancel message: each removes its pending message,
+/// which is then never delivered; the one not cancelled is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_by_sql_cli_and_message() {
+    let (world, target) = delayed_world().await;
+    let inbox = Inbox::on_exchange(&target, "#").await;
+    let node = world.start().await;
+    wait_active(&node).await;
+    let (_conn, ch) = publisher().await;
+    for id in ["by-sql", "by-cli", "by-message", "kept"] {
+        let props = BasicProperties::default()
+            .with_message_id(id.into())
+            .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(2500))]));
+        publish(&ch, &world.ingress(), "k", props, id.as_bytes()).await;
+    }
+    wait_for_async(Duration::from_secs(10), "4 stored", || async {
+        count(&world, "true").await == 4
+    })
+    .await;
+    let sql = format!(
+        "DELETE FROM {}.delayed_messages WHERE message_id = 'by-sql'",
+        world.schema
+    );
+    let deleted = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .execute(&world.pool)
+        .await
+        .expect("delete")
+        .rows_affected();
+    assert_eq!(deleted, 1);
+    let out = crate::cli::timeoutd(&world, &["cancel", "--message-id", "by-cli"], &[]);
+    assert!(out.status.success(), "{out:?}");
+    let again = crate::cli::timeoutd(&world, &["cancel", "--message-id", "by-cli"], &[]);
+    assert_eq!(
+        again.status.code(),
+        Some(4),
+        "not pending any more: {again:?}"
+    );
+    let cancel = BasicProperties::default().with_headers(headers(vec![(
+        "x-timeoutd-cancel",
+        AMQPValue::LongString(LongString::from("by-message")),
+    )]));
+    publish(&ch, &world.ingress(), "k", cancel, b"").await;
+    wait_for_async(Duration::from_secs(10), "1 left", || async {
+        count(&world, "true").await == 1
+    })
+    .await;
+    wait_for(Duration::from_secs(10), "the kept message", || {
+        inbox.len() == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got = inbox.all();
+    assert_eq!(got.len(), 1, "cancelled ones never delivered");
+    assert_eq!(got[0].raw, b"kept");
+    node.stop().await;
+    world.cleanup().await;
+}
+
+async fn count(world: &World, filter: &str) -> i64 {
+    let sql = format!(
+        "SELECT count(*) FROM {}.delayed_messages WHERE {filter}",
+        world.schema
+    );
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .fetch_one(&world.pool)
+        .await
+        .expect("count")
+}
