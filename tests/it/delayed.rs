@@ -25,7 +25,7 @@ async fn delayed_world() -> (World, String) {
 }
 
 /// A publisher with confirms, as a plugin user's would be.
-async fn publisher() -> (lapin::Connection, Channel) {
+pub async fn publisher() -> (lapin::Connection, Channel) {
     let conn = amqp().await;
     let ch = conn.create_channel().await.expect("channel");
     ch.confirm_select(ConfirmSelectOptions::default())
@@ -34,7 +34,7 @@ async fn publisher() -> (lapin::Connection, Channel) {
     (conn, ch)
 }
 
-async fn publish(ch: &Channel, exchange: &str, key: &str, props: BasicProperties, body: &[u8]) {
+pub async fn publish(ch: &Channel, exchange: &str, key: &str, props: BasicProperties, body: &[u8]) {
     let confirm = ch
         .basic_publish(
             exchange.into(),
@@ -50,7 +50,7 @@ async fn publish(ch: &Channel, exchange: &str, key: &str, props: BasicProperties
     assert!(confirm.is_ack(), "broker confirmed");
 }
 
-fn headers(entries: Vec<(&str, AMQPValue)>) -> FieldTable {
+pub fn headers(entries: Vec<(&str, AMQPValue)>) -> FieldTable {
     let mut t = FieldTable::default();
     for (k, v) in entries {
         t.insert(k.into(), v);

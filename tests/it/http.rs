@@ -182,6 +182,41 @@ async fn every_documented_series_moves_after_its_event() {
         .expect(&Expectation::new("nowhere", "Reply", &nowhere))
         .await;
     crate::bad_input::publish_junk(&world.group, &[(None, b"{not json".to_vec())]).await;
+    delayed_events(&world, &inbox.queue).await;
+    let by_label = [
+        ("timeoutd_fired_total{", "kind=\"delayed\"", 1.0),
+        ("timeoutd_fired_total{", "kind=\"expectation\"", 4.0),
+        ("timeoutd_lateness_seconds_count{", "kind=\"delayed\"", 1.0),
+        (
+            "timeoutd_publish_failures_total{",
+            "kind=\"expectation\"",
+            1.0,
+        ),
+        (
+            "timeoutd_pending_rows{",
+            "kind=\"delayed\",state=\"failing\"",
+            1.0,
+        ),
+        (
+            "timeoutd_pending_rows{",
+            "kind=\"expectation\",state=\"pending\"",
+            2.0,
+        ),
+        ("timeoutd_delayed_ingested_total{", "result=\"stored\"", 1.0),
+        ("timeoutd_delayed_ingested_total{", "result=\"held\"", 1.0),
+        (
+            "timeoutd_delayed_ingested_total{",
+            "result=\"duplicate\"",
+            1.0,
+        ),
+        (
+            "timeoutd_delayed_ingested_total{",
+            "result=\"cancelled\"",
+            1.0,
+        ),
+        ("timeoutd_delayed_ingest_seconds_count{", "", 1.0),
+        ("timeoutd_delayed_ingress_consuming{", "", 1.0),
+    ];
     let expected = [
         ("timeoutd_active{", 1.0),
         ("timeoutd_candidate{", 1.0),
@@ -206,6 +241,9 @@ async fn every_documented_series_moves_after_its_event() {
         expected
             .iter()
             .all(|(name, at_least)| metric(text, name).is_some_and(|v| v >= *at_least))
+            && by_label.iter().all(|(name, label, at_least)| {
+                labelled(text, name, label).is_some_and(|v| v >= *at_least)
+            })
     };
     wait_for_async(Duration::from_secs(15), "every series moved", || async {
         moved(&get(addr, "/metrics").await.1)
@@ -216,8 +254,61 @@ async fn every_documented_series_moves_after_its_event() {
         let v = metric(&last, name).unwrap_or(f64::NAN);
         println!("{name}… {v} (≥ {at_least})");
     }
+    for (name, label, at_least) in by_label {
+        let v = labelled(&last, name, label).unwrap_or(f64::NAN);
+        println!("{name}…{label}… {v} (≥ {at_least})");
+    }
     node.stop().await;
     world.cleanup().await;
+}
+
+/// The value of the first series `name…` whose labels contain `label`.
+fn labelled(text: &str, name: &str, label: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name) && l.contains(label))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Delayed messages: one delivered (to `queue`, through the default exchange), one held
+/// (junk `x-delay`), one published twice while pending (a duplicate) and then cancelled.
+async fn delayed_events(world: &World, queue: &str) {
+    use lapin::BasicProperties;
+    use lapin::types::{AMQPValue, LongString};
+
+    use crate::delayed::{headers, publish, publisher};
+    let (_conn, ch) = publisher().await;
+    let now = headers(vec![(
+        "x-timeoutd-exchange",
+        AMQPValue::LongString(LongString::from("")),
+    )]);
+    let out = BasicProperties::default().with_headers(now);
+    publish(&ch, &world.ingress(), queue, out, b"delayed").await;
+    let junk = headers(vec![(
+        "x-delay",
+        AMQPValue::LongString(LongString::from("x")),
+    )]);
+    let held = BasicProperties::default().with_headers(junk);
+    publish(&ch, &world.ingress(), "k", held, b"held").await;
+    for _ in 0..2 {
+        let later = headers(vec![("x-delay", AMQPValue::LongInt(60_000))]);
+        let twice = BasicProperties::default()
+            .with_message_id("twice".into())
+            .with_headers(later);
+        publish(&ch, &world.ingress(), "k", twice, b"twice").await;
+    }
+    let cancel = headers(vec![(
+        "x-timeoutd-cancel",
+        AMQPValue::LongString(LongString::from("twice")),
+    )]);
+    publish(
+        &ch,
+        &world.ingress(),
+        "k",
+        BasicProperties::default().with_headers(cancel),
+        b"",
+    )
+    .await;
 }
 
 /// Insert `e` referenced by a table of the "process manager" in the same transaction, so
