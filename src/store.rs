@@ -253,6 +253,26 @@ impl Store {
     }
 }
 
+/// Run a due-row statement of any table (binds: `$1` limit, `$2` largest content to
+/// fetch with the row, in bytes, `$3` ids to skip).
+async fn lock_rows<R>(
+    sql: &Arc<str>,
+    tx: &mut sqlx::PgConnection,
+    limit: u32,
+    inline: usize,
+    skip: &[uuid::Uuid],
+) -> Result<Vec<R>, StoreError>
+where
+    R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+{
+    Ok(sqlx::query_as(safe(sql))
+        .bind(i64::from(limit))
+        .bind(i64::try_from(inline).unwrap_or(i64::MAX))
+        .bind(skip)
+        .fetch_all(tx)
+        .await?)
+}
+
 /// The statements are built from a validated identifier only (see `Sql::new`).
 fn safe(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(sql.clone())

@@ -96,29 +96,10 @@ impl Bus {
     }
 
     /// The default target exchange exists afterwards: declared as a durable topic
-    /// exchange unless it exists already (of whatever type the operator chose).
+    /// exchange; one that exists already with another type (the operator's choice) is
+    /// used as it is.
     async fn declare_target(&self, name: &str) -> Result<(), BusError> {
         let limit = self.settings.connect_timeout;
-        let channel = bounded("open channel", limit, self.conn.create_channel()).await?;
-        let passive = ExchangeDeclareOptions {
-            passive: true,
-            ..ExchangeDeclareOptions::default()
-        };
-        let exists = channel.exchange_declare(
-            name.into(),
-            ExchangeKind::Topic,
-            passive,
-            FieldTable::default(),
-        );
-        match bounded("find target exchange", limit, exists).await {
-            Ok(()) => {
-                let _ = channel.close(200, "OK".into()).await;
-                return Ok(());
-            }
-            Err(BusError::Amqp(e)) if is_not_found(&e) => {}
-            Err(e) => return Err(e),
-        }
-        // The 404 closed that channel.
         let channel = bounded("open channel", limit, self.conn.create_channel()).await?;
         let durable = ExchangeDeclareOptions {
             durable: true,
@@ -130,17 +111,28 @@ impl Bus {
             durable,
             FieldTable::default(),
         );
-        bounded("declare target exchange", limit, declare).await?;
-        let _ = channel.close(200, "OK".into()).await;
-        Ok(())
+        match bounded("declare target exchange", limit, declare).await {
+            Ok(()) => {
+                let _ = channel.close(200, "OK".into()).await;
+                Ok(())
+            }
+            Err(BusError::Amqp(e)) if is_precondition_failed(&e) => {
+                tracing::info!(
+                    exchange = name,
+                    "the target exchange exists with another type: used as it is"
+                );
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 }
 
-fn is_not_found(e: &lapin::Error) -> bool {
+fn is_precondition_failed(e: &lapin::Error) -> bool {
     matches!(
         e.kind(),
         lapin::ErrorKind::ProtocolError(p)
-            if p.kind() == &AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+            if p.kind() == &AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
     )
 }
 

@@ -123,6 +123,17 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__SCAN__BATCH_SIZE", "many", "batch_size"),
         ("TIMEOUTD__HTTP__LISTEN", "localhost", "http.listen"),
         ("TIMEOUTD__LOG__FORMAT", "xml", "format"),
+        ("TIMEOUTD__DELAY__PREFETCH", "0", "delay.prefetch"),
+        ("TIMEOUTD__DELAY__PREFETCH", "70000", "prefetch"),
+        ("TIMEOUTD__DELAY__EXCHANGE", "", "delay.exchange"),
+        ("TIMEOUTD__DELAY__EXCHANGE", "amq.topic", "delay.exchange"),
+        (
+            "TIMEOUTD__DELAY__TARGET_EXCHANGE",
+            "",
+            "delay.target_exchange",
+        ),
+        ("TIMEOUTD__DELAY__MAX_BODY", "lots", "max_body"),
+        ("TIMEOUTD__DELAY__ENABLED", "maybe", "enabled"),
         ("TIMEOUTD__ELECTION__COLOUR", "blue", "colour"),
         (
             "TIMEOUTD__AMQP__ANNOUNCE_EXCHANGE",
@@ -239,4 +250,12 @@ fn check_config_toml_round_trips_and_hides_passwords() {
     let back: Settings = toml::from_str(&shown).expect("parses back");
     assert_eq!(back.election.group, s.election.group);
     assert_eq!(back.postgres.url.expose(), "postgres://pm:***@db/app");
+}
+
+#[test]
+fn the_delay_exchange_names_the_group() {
+    let s = load(&[("TIMEOUTD__ELECTION__GROUP", "billing")]).expect("valid");
+    assert_eq!(s.delay_exchange(), "timeoutd.delay.billing");
+    let s = load(&[("TIMEOUTD__DELAY__EXCHANGE", "billing.delayed")]).expect("valid");
+    assert_eq!(s.delay_exchange(), "billing.delayed");
 }

@@ -9,7 +9,7 @@ use uuid::Uuid;
 
 use serde::Serialize;
 
-use super::{DELAYED, PendingFilter, Store, StoreError, safe};
+use super::{DELAYED, PendingFilter, Store, StoreError, lock_rows, safe};
 use crate::wire::delayed::{Due, Ingest, Stored};
 
 /// One due delayed message, locked by the scan's transaction.
@@ -262,12 +262,7 @@ impl Store {
         inline: usize,
         skip: &[Uuid],
     ) -> Result<Vec<DelayedRow>, StoreError> {
-        Ok(sqlx::query_as(safe(&self.sql.delayed.lock_due))
-            .bind(i64::from(limit))
-            .bind(i64::try_from(inline).unwrap_or(i64::MAX))
-            .bind(skip)
-            .fetch_all(tx)
-            .await?)
+        lock_rows(&self.sql.delayed.lock_due, tx, limit, inline, skip).await
     }
 
     /// The body of one (locked) row that `lock_due_delayed` left behind.

@@ -9,7 +9,7 @@ use serde::Serialize;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{EXPECTATIONS, PendingCounts, Store, StoreError, safe};
+use super::{EXPECTATIONS, PendingCounts, Store, StoreError, lock_rows, safe};
 
 /// One due row, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -128,13 +128,7 @@ impl Store {
         inline: usize,
         skip: &[Uuid],
     ) -> Result<Vec<DueRow>, StoreError> {
-        let rows = sqlx::query_as(safe(&self.sql.expectations.lock_due))
-            .bind(i64::from(limit))
-            .bind(i64::try_from(inline).unwrap_or(i64::MAX))
-            .bind(skip)
-            .fetch_all(tx)
-            .await?;
-        Ok(rows)
+        lock_rows(&self.sql.expectations.lock_due, tx, limit, inline, skip).await
     }
 
     /// The payload of one (locked) row as text, for payloads `lock_due` left behind.

@@ -13,7 +13,7 @@ use timeoutd::election::Role;
 use crate::common::{Inbox, World, amqp, wait_for, wait_for_async};
 
 /// A world whose delayed messages go to a target exchange of its own.
-async fn delayed_world() -> (World, String) {
+pub async fn delayed_world() -> (World, String) {
     let mut world = World::new().await;
     let target = format!("t.delayed.{}", world.group);
     world.overrides.push((
@@ -367,7 +367,7 @@ async fn cancel_by_sql_cli_and_message() {
     world.cleanup().await;
 }
 
-async fn count(world: &World, filter: &str) -> i64 {
+pub async fn count(world: &World, filter: &str) -> i64 {
     let sql = format!(
         "SELECT count(*) FROM {}.delayed_messages WHERE {filter}",
         world.schema
@@ -376,4 +376,100 @@ async fn count(world: &World, filter: &str) -> i64 {
         .fetch_one(&world.pool)
         .await
         .expect("count")
+}
+
+/// A crash between the commit and the ack redelivers a message that is already stored:
+/// it is stored once and delivered once. The "crash" is staged: the message is stored
+/// through the daemon's own insert first, then published as the redelivery would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_message_is_stored_and_delivered_once() {
+    use timeoutd::wire::delayed::{Rules, ingest};
+    use timeoutd::wire::{Message, Properties, Value};
+    let (world, target) = delayed_world().await;
+    let inbox = Inbox::on_exchange(&target, "#").await;
+    let store = timeoutd::store::Store::connect(&world.settings().postgres).expect("store");
+    let first = Message {
+        exchange: world.ingress(),
+        routing_key: "k".into(),
+        properties: Properties {
+            message_id: Some("once".into()),
+            headers: vec![("x-delay".into(), Value::I32(1500))],
+            ..Properties::default()
+        },
+        body: b"once".to_vec(),
+    };
+    let rules = Rules {
+        target_exchange: target.clone(),
+        max_body: 1 << 20,
+    };
+    let stored = store
+        .ingest(&[ingest(first, &rules)])
+        .await
+        .expect("stored before the crash");
+    assert_eq!(stored.stored, 1);
+    let node = world.start().await;
+    wait_active(&node).await;
+    let (_conn, ch) = publisher().await;
+    let again = BasicProperties::default()
+        .with_message_id("once".into())
+        .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(1500))]));
+    publish(&ch, &world.ingress(), "k", again, b"once").await;
+    wait_for(Duration::from_secs(15), "the message", || inbox.len() == 1).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(inbox.len(), 1, "delivered once");
+    assert_eq!(count(&world, "true").await, 0);
+    store.close().await;
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// Every delayed message is judged alone at delivery too: one addressed to an exchange
+/// that does not exist and one that no queue takes (returned) stay in the table, failing
+/// with their own reason and retried; the good one beside them is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undeliverable_delayed_messages_stay_failing_and_the_rest_arrive() {
+    let (world, target) = delayed_world().await;
+    let inbox = Inbox::on_exchange(&target, "good.#").await;
+    let node = world.start().await;
+    wait_active(&node).await;
+    let (_conn, ch) = publisher().await;
+    let missing = format!("t.missing.{}", world.group);
+    let to = |exchange: &str| {
+        headers(vec![(
+            "x-timeoutd-exchange",
+            AMQPValue::LongString(LongString::from(exchange)),
+        )])
+    };
+    let cases = [
+        ("no-exchange", "good.x", Some(to(&missing))),
+        ("unroutable", "nobody.listens", None),
+        ("good", "good.x", None),
+    ];
+    for (id, key, h) in cases {
+        let mut props = BasicProperties::default().with_message_id(id.into());
+        if let Some(h) = h {
+            props = props.with_headers(h);
+        }
+        publish(&ch, &world.ingress(), key, props, id.as_bytes()).await;
+    }
+    wait_for(Duration::from_secs(10), "the good one", || inbox.len() == 1).await;
+    wait_for_async(Duration::from_secs(10), "two failing", || async {
+        count(&world, "attempts > 0 AND last_error IS NOT NULL").await == 2
+    })
+    .await;
+    let sql = format!(
+        "SELECT message_id, last_error FROM {}.delayed_messages ORDER BY message_id",
+        world.schema
+    );
+    let rows: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .fetch_all(&world.pool)
+        .await
+        .expect("rows");
+    assert_eq!(rows[0].0, "no-exchange");
+    assert!(rows[0].1.contains("does not exist"), "{rows:?}");
+    assert_eq!(rows[1].0, "unroutable");
+    assert!(rows[1].1.contains("unroutable"), "{rows:?}");
+    assert_eq!(inbox.all()[0].raw, b"good");
+    node.stop().await;
+    world.cleanup().await;
 }

@@ -784,3 +784,77 @@ async fn bind_exchanges(s: &Scenario, n: usize) -> Vec<String> {
     }
     names
 }
+
+/// A node cut from Postgres stops consuming the delay ingress: after holding its batch
+/// for a while it gives it back, and the messages wait in the quorum queue (none lost,
+/// none dropped after returned deliveries); when the database is back they are stored
+/// and delivered, each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_from_postgres_stops_consuming_delayed_messages_and_resumes() {
+    use lapin::BasicProperties;
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::{AMQPValue, FieldTable};
+
+    use crate::delayed::{headers, publish, publisher};
+    let (proxy, mut world) = behind_proxy(&pg_addr(), "TIMEOUTD__POSTGRES__URL", pg_url).await;
+    let target = format!("t.cut.{}", world.group);
+    world.overrides.push((
+        "TIMEOUTD__DELAY__TARGET_EXCHANGE".to_owned(),
+        target.clone(),
+    ));
+    world.migrate().await;
+    let inbox = crate::common::Inbox::on_exchange(&target, "#").await;
+    let node = world.start().await;
+    let consuming =
+        |n: &timeoutd::daemon::Handle| n.snapshot().ingress.is_some_and(|i| i.consuming);
+    wait_for(Duration::from_secs(10), "consuming", || consuming(&node)).await;
+    proxy.set(Mode::Refuse);
+    proxy.cut();
+    let (_conn, ch) = publisher().await;
+    for i in 0..50 {
+        let props = BasicProperties::default()
+            .with_message_id(format!("cut-{i}").into())
+            .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(200))]));
+        publish(&ch, &world.ingress(), "k", props, b"x").await;
+    }
+    wait_for(Duration::from_secs(30), "ingress paused", || {
+        !consuming(&node)
+    })
+    .await;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let waiting = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    wait_for_async(
+        Duration::from_secs(10),
+        "50 messages back in the queue",
+        || {
+            let (ch, queue, waiting) = (ch.clone(), world.ingress(), waiting.clone());
+            async move {
+                let q = ch
+                    .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+                    .await
+                    .expect("queue");
+                waiting.store(q.message_count(), std::sync::atomic::Ordering::Relaxed);
+                q.message_count() == 50
+            }
+        },
+    )
+    .await;
+    let waiting = waiting.load(std::sync::atomic::Ordering::Relaxed);
+    println!(
+        "delayed ingress paused while Postgres was cut: {waiting} messages waiting in the queue"
+    );
+    proxy.set(Mode::Pass);
+    wait_for(Duration::from_secs(40), "50 delivered", || {
+        inbox.len() >= 50
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let counts = inbox.counts();
+    assert_eq!(counts.len(), 50);
+    assert!(counts.values().all(|n| *n == 1), "each once: {counts:?}");
+    node.stop().await;
+    world.cleanup().await;
+}

@@ -51,6 +51,13 @@ pub(crate) struct Daemon {
 impl Daemon {
     /// Spawn `timeoutd run` on a port of its own and wait until its `/metrics` says active.
     pub(crate) async fn start(env: &Env) -> Result<Self> {
+        let mut daemon = Self::spawn(env)?;
+        daemon.wait_active(Duration::from_secs(30)).await?;
+        Ok(daemon)
+    }
+
+    /// Spawn `timeoutd run` on a port of its own, without waiting for anything.
+    pub(crate) fn spawn(env: &Env) -> Result<Self> {
         let http = free_local_addr()?;
         let mut cmd = Command::new(&env.daemon_bin);
         cmd.arg("run")
@@ -67,30 +74,33 @@ impl Daemon {
         let stderr = child.stderr.take().context("daemon stderr")?;
         let log = Arc::new(DaemonLog::default());
         tokio::spawn(read_log(stderr, log.clone()));
-        let mut daemon = Self {
+        Ok(Self {
             child,
             pid,
             log,
             http,
-        };
-        daemon.wait_active(Duration::from_secs(30)).await?;
-        Ok(daemon)
+        })
     }
 
     /// Polls `/metrics` until `timeoutd_active` is 1; refused connections are expected
     /// while the daemon starts.
     pub(crate) async fn wait_active(&mut self, limit: Duration) -> Result<()> {
+        self.wait_gauge(ACTIVE, limit).await
+    }
+
+    /// Polls `/metrics` until the gauge `name` is 1.
+    pub(crate) async fn wait_gauge(&mut self, name: &str, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit;
         loop {
             self.check_alive()?;
             let last = match scrape(self.http).await {
-                Ok(s) if s.get(ACTIVE) == Some(1.0) => return Ok(()),
-                Ok(s) => format!("{ACTIVE} = {:?}", s.get(ACTIVE)),
+                Ok(s) if s.get(name) == Some(1.0) => return Ok(()),
+                Ok(s) => format!("{name} = {:?}", s.get(name)),
                 Err(e) => format!("{e:#}"),
             };
             if Instant::now() >= deadline {
                 bail!(
-                    "daemon not active within {limit:?} (last scrape: {last}):\n{}",
+                    "daemon: {name} not 1 within {limit:?} (last scrape: {last}):\n{}",
                     self.log.tail()
                 );
             }

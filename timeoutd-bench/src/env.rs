@@ -57,6 +57,11 @@ impl Env {
             env.cleanup().await;
             return Err(e.context("creating the schema"));
         }
+        let target = env.settings.delay.target_exchange.as_str();
+        if let Err(e) = declare_target(&env.amqp, target).await {
+            env.cleanup().await;
+            return Err(e.context("declaring the delayed messages' target exchange"));
+        }
         Ok(env)
     }
 
@@ -110,6 +115,8 @@ impl Env {
         if let Err(e) = self.delete_queue().await {
             eprintln!("warning: could not delete queue {}: {e:#}", self.queue);
         }
+        // Every daemon of the run declared the delayed-message ingress and target.
+        delete_delayed_topology(self, &delayed_queues(self), true).await;
         let _ = bounded(
             "close",
             Duration::from_secs(5),
@@ -137,17 +144,26 @@ pub(crate) async fn migrate(settings: &timeoutd::config::Postgres) -> Result<()>
     Ok(())
 }
 
+/// The run's own names for the daemon. Delayed messages go to an exchange of the run's
+/// own (`delay.target_exchange`), removed at the end like the schema.
 pub(crate) fn overrides(amqp: &str, pg: &str, schema: &str, group: &str) -> Vec<(String, String)> {
+    let target = target_exchange(group);
     [
         ("TIMEOUTD__AMQP__URL", amqp),
         ("TIMEOUTD__POSTGRES__URL", pg),
         ("TIMEOUTD__POSTGRES__SCHEMA", schema),
         ("TIMEOUTD__ELECTION__GROUP", group),
         ("TIMEOUTD__LOG__FORMAT", "json"),
+        ("TIMEOUTD__DELAY__TARGET_EXCHANGE", &target),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
     .collect()
+}
+
+/// Where the run's daemons deliver delayed messages.
+pub(crate) fn target_exchange(group: &str) -> String {
+    format!("timeoutd.delayed.{group}")
 }
 
 /// The settings the daemon will run with: this process' environment (the child inherits

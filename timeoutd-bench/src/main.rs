@@ -18,7 +18,13 @@
 //! 5. steady: rows due at R/s for S s, each inserted ~1.5 s before its deadline;
 //!    lateness = consumer receipt − deadline;
 //! 6. idle RSS again, the daemon stopped (SIGTERM);
-//! 7. idle scan: the daemon's due-row query run directly over tables of 10k/100k/1M rows
+//! 7. delayed messages (unless `--no-delayed`), with daemons of their own: ingest
+//!    throughput (messages due in an hour published with confirms into the ingress, until
+//!    all are in `delayed_messages`) with 1 and 3 daemons, and the broker alone (a quorum
+//!    queue nobody consumes); steady delivery (`x-delay` 1500 ms, lateness = receipt −
+//!    publish − delay); a burst all due at one instant T0 (`x-timeoutd-deliver-at`,
+//!    stored before T0), T0 → last received, compared with the baseline publish;
+//! 8. idle scan: the daemon's due-row query run directly over tables of 10k/100k/1M rows
 //!    that are not due (one schema each, made by the daemon's migrations), median of 200
 //!    runs per table taken round-robin, plus `EXPLAIN (ANALYZE, BUFFERS)`.
 //!
@@ -32,6 +38,7 @@
 mod baselines;
 mod burst;
 mod child;
+mod delayed;
 mod env;
 mod idle;
 mod insert;
@@ -44,6 +51,7 @@ mod svg;
 pub(crate) use baselines::*;
 pub(crate) use burst::*;
 pub(crate) use child::*;
+pub(crate) use delayed::*;
 pub(crate) use env::*;
 pub(crate) use idle::*;
 pub(crate) use insert::*;
@@ -91,6 +99,26 @@ pub(crate) struct Args {
     /// Timed runs of the due-row query per idle table size.
     #[arg(long, default_value_t = 200)]
     pub(crate) scan_runs: usize,
+    /// Skip the delayed-message phases.
+    #[arg(long)]
+    pub(crate) no_delayed: bool,
+    /// Delayed messages per ingest run (broker alone, 1 daemon, --delayed-nodes daemons).
+    /// Default 20000 (5000 with --quick).
+    #[arg(long)]
+    pub(crate) delayed_ingest: Option<usize>,
+    /// Daemons consuming the ingress in the second ingest run.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) delayed_nodes: usize,
+    /// Duration of the delayed steady phase in seconds. Default 10 (3 with --quick).
+    #[arg(long)]
+    pub(crate) delayed_steady_secs: Option<u64>,
+    /// Delayed messages published per second in the delayed steady phase.
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) delayed_rate: u32,
+    /// Delayed messages in the delayed burst. Default: the --burst size (100000, 10000
+    /// with --quick), the size of the baseline publish it is compared with.
+    #[arg(long)]
+    pub(crate) delayed_burst: Option<usize>,
     /// Directory for bench.json and bench.svg.
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
@@ -112,6 +140,8 @@ pub(crate) struct Plan {
     pub(crate) rate: u32,
     pub(crate) idle_rows: Vec<u64>,
     pub(crate) scan_runs: usize,
+    /// `None`: `--no-delayed`.
+    pub(crate) delayed: Option<DelayedPlan>,
 }
 
 impl Plan {
@@ -124,13 +154,34 @@ impl Plan {
         let mut idle_rows = args.idle_rows.clone().unwrap_or(idle);
         idle_rows.sort_unstable();
         idle_rows.dedup();
+        let burst = args.burst.unwrap_or(burst);
+        let delayed = (!args.no_delayed).then(|| DelayedPlan {
+            ingest: args
+                .delayed_ingest
+                .unwrap_or(if args.quick { 5_000 } else { 20_000 }),
+            nodes: args.delayed_nodes,
+            steady_secs: args
+                .delayed_steady_secs
+                .unwrap_or(if args.quick { 3 } else { 10 }),
+            rate: args.delayed_rate,
+            burst: args.delayed_burst.unwrap_or(burst),
+        });
+        if let Some(d) = &delayed
+            && (d.ingest == 0 || d.nodes == 0 || d.steady_secs == 0 || d.rate == 0 || d.burst == 0)
+        {
+            bail!(
+                "--delayed-ingest, --delayed-nodes, --delayed-steady-secs, --delayed-rate and \
+                 --delayed-burst must be greater than 0"
+            );
+        }
         let plan = Self {
             quick: args.quick,
-            burst: args.burst.unwrap_or(burst),
+            burst,
             steady_secs: args.steady_secs.unwrap_or(secs),
             rate: args.rate,
             idle_rows,
             scan_runs: args.scan_runs,
+            delayed,
         };
         if plan.burst == 0 || plan.rate == 0 || plan.scan_runs == 0 || plan.idle_rows.is_empty() {
             bail!("--burst, --rate, --scan-runs and --idle-rows must be greater than 0");
@@ -186,6 +237,11 @@ pub(crate) fn daemon_path(args: &Args) -> Result<PathBuf> {
 /// All phases, in order. The daemon is killed if anything fails (kill_on_drop).
 pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
     let started_at = Utc::now();
+    if plan.delayed.is_some() && !env.settings.delay.enabled {
+        bail!(
+            "delay.enabled is false for the daemon (TIMEOUTD__DELAY__ENABLED?): pass --no-delayed"
+        );
+    }
     let publish = phase("baseline publish", baseline_publish(env, plan.burst)).await?;
     let delete = phase("baseline delete", baseline_delete(env, plan.burst)).await?;
     let mut daemon = phase("daemon start", Daemon::start(env)).await?;
@@ -208,6 +264,10 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
             format!("{e:#}")
         }
     };
+    let delayed = match &plan.delayed {
+        Some(d) => Some(delayed(env, d).await?),
+        None => None,
+    };
     let idle_scan = phase("idle scan", idle_scans(env, plan)).await?;
     let memory = Memory::from(idle_before, peak, idle_after);
     Ok(Report::new(
@@ -218,6 +278,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         delete,
         burst,
         steady,
+        delayed,
         idle_scan,
         memory,
         (daemon_warnings, daemon_stop),

@@ -59,6 +59,8 @@ pub(crate) struct Report {
     pub(crate) delete: DeleteBaseline,
     pub(crate) burst: Burst,
     pub(crate) steady: Steady,
+    /// `None` with `--no-delayed`.
+    pub(crate) delayed: Option<Delayed>,
     pub(crate) idle_scan: Vec<IdleScan>,
     pub(crate) memory: Memory,
     pub(crate) lines: Vec<Line>,
@@ -74,6 +76,7 @@ impl Report {
         delete: DeleteBaseline,
         burst: Burst,
         steady: Steady,
+        delayed: Option<Delayed>,
         idle_scan: Vec<IdleScan>,
         memory: Memory,
         (daemon_warnings, daemon_stop): (usize, String),
@@ -100,6 +103,7 @@ impl Report {
             delete,
             burst,
             steady,
+            delayed,
             idle_scan,
             memory,
             lines: Vec::new(),
@@ -114,6 +118,7 @@ impl Report {
         lines.push(self.steady_daemon_line());
         lines.extend(self.idle_lines());
         lines.extend(self.memory_lines());
+        lines.extend(self.delayed_lines());
         lines
     }
 
@@ -284,6 +289,193 @@ impl Report {
     }
 }
 
+impl Report {
+    pub(crate) fn delayed_lines(&self) -> Vec<Line> {
+        let Some(d) = &self.delayed else {
+            return Vec::new();
+        };
+        let b = &d.broker;
+        let mut lines = vec![line(
+            "delayed: baseline publish (quorum queue, no consumer)",
+            format!(
+                "{} msgs in {:.2} s = {:.0}/s ({} unconfirmed)",
+                b.msgs, b.secs, b.msgs_per_sec, b.not_confirmed
+            ),
+            "",
+            None,
+        )];
+        for run in &d.ingest {
+            lines.extend(ingest_lines(run));
+        }
+        lines.extend(self.delayed_steady_lines(&d.steady));
+        lines.extend(self.delayed_burst_lines(&d.burst));
+        lines
+    }
+
+    pub(crate) fn delayed_steady_lines(&self, s: &DelayedSteady) -> Vec<Line> {
+        let d = &s.daemon;
+        vec![
+            line(
+                &format!(
+                    "delayed steady {}/s for {} s, x-delay {} ms: lateness p50 / p90",
+                    s.rate, s.secs, s.delay_ms
+                ),
+                format!(
+                    "{:.1} ms / {:.1} ms (mean {:.1} ms, max {:.1} ms)",
+                    s.p50_ms, s.p90_ms, s.mean_ms, s.max_ms
+                ),
+                "",
+                None,
+            ),
+            line(
+                "delayed steady: lateness p99 (receipt − publish − delay)",
+                format!("{:.1} ms", s.p99_ms),
+                "≤ 50 ms",
+                Some(s.p99_ms <= 50.0),
+            ),
+            line(
+                "delayed steady: each message once, none early",
+                format!(
+                    "{}; {} early; {} unconfirmed",
+                    delivery_text(&s.delivery, s.left_in_table),
+                    s.early,
+                    s.not_confirmed
+                ),
+                "= msgs, 0 dup, 0 early",
+                Some(
+                    s.delivery.exact(s.msgs)
+                        && s.early == 0
+                        && s.left_in_table == 0
+                        && s.not_confirmed == 0,
+                ),
+            ),
+            line(
+                "delayed steady: the daemon's view (/metrics)",
+                format!(
+                    "{}; lateness at fire mean {:.1} ms, p99 {}; {}",
+                    batches_text(d),
+                    d.lateness_mean_ms,
+                    bound_text(d.lateness_p99_le_ms),
+                    ingest_text(&s.ingest)
+                ),
+                "",
+                None,
+            ),
+        ]
+    }
+
+    pub(crate) fn delayed_burst_lines(&self, b: &DelayedBurst) -> Vec<Line> {
+        let ratio = b.msgs_per_sec / self.publish.rows_per_sec;
+        vec![
+            line(
+                "delayed burst: due (T0) → last received",
+                format!(
+                    "{} msgs in {:.2} s = {:.0}/s",
+                    b.msgs,
+                    b.last_ms / 1e3,
+                    b.msgs_per_sec
+                ),
+                "",
+                None,
+            ),
+            line(
+                "delayed burst: how the daemon spent it (/metrics)",
+                format!(
+                    "stored in {:.2} s, {:.0} ms before T0; first message {:.0} ms after T0, \
+                     first→last {:.0}/s; {}; peak RSS {:.1} MiB",
+                    b.stored_secs,
+                    b.stored_before_t0_ms,
+                    b.first_ms,
+                    b.drain_msgs_per_sec,
+                    batches_text(&b.daemon),
+                    b.peak_rss_mib
+                ),
+                "",
+                None,
+            ),
+            line(
+                "delayed burst / baseline publish",
+                format!(
+                    "{:.0}% (of {:.0}/s, {} msgs)",
+                    ratio * 100.0,
+                    self.publish.rows_per_sec,
+                    self.publish.rows
+                ),
+                "≥ 80%",
+                Some(ratio >= 0.8),
+            ),
+            line(
+                "delayed burst: each message exactly once",
+                format!(
+                    "{}; {} unconfirmed",
+                    delivery_text(&b.delivery, b.left_in_table),
+                    b.not_confirmed
+                ),
+                "= msgs, 0 dup",
+                Some(b.delivery.exact(b.msgs) && b.left_in_table == 0 && b.not_confirmed == 0),
+            ),
+        ]
+    }
+}
+
+/// Two rows per ingest run: the rate (with a target for one daemon), the daemon's view.
+pub(crate) fn ingest_lines(run: &IngestRun) -> Vec<Line> {
+    let nodes = match run.nodes {
+        1 => "1 daemon".to_owned(),
+        n => format!("{n} daemons"),
+    };
+    let mut result = format!(
+        "{} msgs in {:.2} s = {:.0}/s (all confirmed after {:.2} s",
+        run.msgs, run.stored_secs, run.msgs_per_sec, run.confirmed_secs
+    );
+    if run.not_confirmed > 0 {
+        result.push_str(&format!(", {} unconfirmed", run.not_confirmed));
+    }
+    if !run.complete {
+        result.push_str(&format!("; only {} stored", run.rows));
+    }
+    result.push(')');
+    let (target, pass) = if run.nodes == 1 {
+        (
+            "≥ 10000/s",
+            Some(run.complete && run.not_confirmed == 0 && run.msgs_per_sec >= 10_000.0),
+        )
+    } else {
+        ("", None)
+    };
+    vec![
+        line(
+            &format!("delayed ingest, {nodes}: first publish → all stored"),
+            result,
+            target,
+            pass,
+        ),
+        line(
+            &format!("delayed ingest, {nodes}: the daemons' view (/metrics)"),
+            ingest_text(&run.daemon),
+            "",
+            None,
+        ),
+    ]
+}
+
+/// What an ingress did: batches and their arrival → commit time (p99 a bucket bound).
+pub(crate) fn ingest_text(d: &IngestDelta) -> String {
+    let mut s = format!(
+        "{} stored in {} ingest batches ({:.1} per batch), batch arrival → commit mean \
+         {:.1} ms, p99 {}",
+        d.stored,
+        d.batches,
+        d.mean_batch_msgs,
+        d.mean_ms,
+        bound_text(d.p99_le_ms)
+    );
+    if d.held > 0 || d.duplicates > 0 {
+        s.push_str(&format!("; {} held, {} duplicates", d.held, d.duplicates));
+    }
+    s
+}
+
 /// Batches and TimeOuts a phase's scrapes saw; the longest batch is a bucket bound.
 pub(crate) fn batches_text(d: &ScanDelta) -> String {
     let mut s = format!(
@@ -374,6 +566,16 @@ pub(crate) fn print_table(report: &Report) {
         "\n{failed} target(s) missed; daemon warnings/errors logged: {}; daemon stop: {}",
         m.daemon_warnings, m.daemon_stop
     );
+    if let Some(d) = &report.delayed {
+        let stops = match d.daemon_stop_errors.len() {
+            0 => "all exit 0 after SIGTERM".to_owned(),
+            n => format!("{n} not clean: {}", d.daemon_stop_errors.join("; ")),
+        };
+        println!(
+            "delayed phases' daemons: warnings/errors logged: {}; stops: {stops}",
+            d.daemon_warnings
+        );
+    }
     if let Some(big) = report.idle_scan.last() {
         println!(
             "\nEXPLAIN (ANALYZE, BUFFERS), {} rows not due:",

@@ -11,6 +11,15 @@ pub(crate) const FIRED: &str = "timeoutd_timeouts_fired_total";
 pub(crate) const PUBLISH_FAILURES: &str = "timeoutd_publish_failures_total";
 pub(crate) const SCAN_DURATION: &str = "timeoutd_scan_duration_seconds";
 pub(crate) const LATENESS: &str = "timeoutd_fire_lateness_seconds";
+/// Rows fired, by `kind` (expectation, delayed).
+pub(crate) const KIND_FIRED: &str = "timeoutd_fired_total";
+/// Publish time − due time, by `kind`.
+pub(crate) const KIND_LATENESS: &str = "timeoutd_lateness_seconds";
+/// Delayed messages taken in, by `result` (stored, held, duplicate, cancelled, dropped).
+pub(crate) const INGESTED: &str = "timeoutd_delayed_ingested_total";
+/// One observation per ingress batch: its arrival to its commit.
+pub(crate) const INGEST_TIME: &str = "timeoutd_delayed_ingest_seconds";
+pub(crate) const INGRESS_CONSUMING: &str = "timeoutd_delayed_ingress_consuming";
 
 /// A scrape that does not answer in this time is a stuck daemon, not a slow one: the
 /// endpoint bounds its own database probe to 1 s.
@@ -68,6 +77,43 @@ impl Scrape {
             .filter(|s| s.name == name)
             .map(|s| s.value)
             .sum()
+    }
+
+    /// The series whose label `key` is `value` (e.g. `kind="delayed"`).
+    pub(crate) fn only(&self, key: &str, value: &str) -> Self {
+        let samples = self
+            .samples
+            .iter()
+            .filter(|s| s.label(key) == Some(value))
+            .cloned()
+            .collect();
+        Self { samples }
+    }
+
+    /// Several daemons' scrapes as one: the series that differ only in `node_id` added
+    /// up (counters and histogram buckets of a group).
+    pub(crate) fn merged(scrapes: &[Scrape]) -> Self {
+        let mut samples: Vec<Sample> = Vec::new();
+        for sample in scrapes.iter().flat_map(|s| &s.samples) {
+            let labels: Vec<(String, String)> = sample
+                .labels
+                .iter()
+                .filter(|(k, _)| k != "node_id")
+                .cloned()
+                .collect();
+            match samples
+                .iter_mut()
+                .find(|x| x.name == sample.name && x.labels == labels)
+            {
+                Some(x) => x.value += sample.value,
+                None => samples.push(Sample {
+                    name: sample.name.clone(),
+                    labels,
+                    value: sample.value,
+                }),
+            }
+        }
+        Self { samples }
     }
 
     /// A histogram's cumulative buckets, `(le, count)` by ascending `le` (+Inf last).
@@ -213,6 +259,58 @@ impl ScanDelta {
             publish_failures: whole(delta(PUBLISH_FAILURES)),
             lateness_mean_ms: mean(sum_ms(LATENESS), late),
             lateness_p99_le_ms: bound_ms(quantile_bound(before, after, LATENESS, 0.99)),
+        }
+    }
+}
+
+impl ScanDelta {
+    /// As [`ScanDelta::between`], with fired rows, publish failures and lateness of one
+    /// `kind` only (batches are counted over every kind: run it when only one has rows).
+    pub(crate) fn of_kind(before: &Scrape, after: &Scrape, kind: &str) -> Self {
+        let (b, a) = (before.only("kind", kind), after.only("kind", kind));
+        let delta = |name: &str| a.sum(name) - b.sum(name);
+        let late = delta(&format!("{KIND_LATENESS}_count"));
+        let late_ms = delta(&format!("{KIND_LATENESS}_sum")) * 1e3;
+        Self {
+            fired: whole(delta(KIND_FIRED)),
+            publish_failures: whole(delta(PUBLISH_FAILURES)),
+            lateness_mean_ms: mean(late_ms, late),
+            lateness_p99_le_ms: bound_ms(quantile_bound(&b, &a, KIND_LATENESS, 0.99)),
+            ..Self::between(before, after)
+        }
+    }
+}
+
+/// What the delayed-message ingress did between two scrapes (of one daemon, or merged).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(crate) struct IngestDelta {
+    pub(crate) stored: u64,
+    pub(crate) held: u64,
+    pub(crate) duplicates: u64,
+    /// Ingress batches (one ingest-time observation each).
+    pub(crate) batches: u64,
+    pub(crate) mean_batch_msgs: f64,
+    /// Arrival of a batch → its commit: mean, and a bucket bound on p99.
+    pub(crate) mean_ms: f64,
+    pub(crate) p99_le_ms: f64,
+}
+
+impl IngestDelta {
+    pub(crate) fn between(before: &Scrape, after: &Scrape) -> Self {
+        let result = |r: &str| {
+            whole(after.only("result", r).sum(INGESTED) - before.only("result", r).sum(INGESTED))
+        };
+        let delta = |name: &str| after.sum(name) - before.sum(name);
+        let batches = delta(&format!("{INGEST_TIME}_count"));
+        let stored = result("stored");
+        Self {
+            stored,
+            held: result("held"),
+            duplicates: result("duplicate"),
+            batches: whole(batches),
+            mean_batch_msgs: mean(stored as f64, batches),
+            mean_ms: mean(delta(&format!("{INGEST_TIME}_sum")) * 1e3, batches),
+            p99_le_ms: bound_ms(quantile_bound(before, after, INGEST_TIME, 0.99)),
         }
     }
 }
@@ -401,6 +499,73 @@ mod tests {
             f64::INFINITY
         );
         assert_eq!(quantile_bound(&after, &after, SCAN_DURATION, 1.0), 0.0);
+    }
+
+    /// One daemon's delayed-message series (`node` in its labels).
+    fn delayed_exposition(node: u8, stored: u64, ingest: &[(&str, u64)], fired: u64) -> Scrape {
+        let labels = format!(r#"group="bench-1",node_id="{node}""#);
+        let mut text = format!("{INGESTED}{{{labels},result=\"stored\"}} {stored}\n");
+        text += &format!("{INGESTED}{{{labels},result=\"held\"}} 1\n");
+        for (le, n) in ingest {
+            text += &format!("{INGEST_TIME}_bucket{{{labels},le=\"{le}\"}} {n}\n");
+        }
+        let count = ingest.last().map_or(0, |b| b.1);
+        text += &format!("{INGEST_TIME}_sum{{{labels}}} {}\n", count as f64 * 0.004);
+        text += &format!("{INGEST_TIME}_count{{{labels}}} {count}\n");
+        for (kind, n) in [("expectation", 1000), ("delayed", fired)] {
+            text += &format!("{KIND_FIRED}{{{labels},kind=\"{kind}\"}} {n}\n");
+            text +=
+                &format!("{KIND_LATENESS}_bucket{{{labels},kind=\"{kind}\",le=\"0.01\"}} {n}\n");
+            text +=
+                &format!("{KIND_LATENESS}_bucket{{{labels},kind=\"{kind}\",le=\"+Inf\"}} {n}\n");
+            text += &format!(
+                "{KIND_LATENESS}_sum{{{labels},kind=\"{kind}\"}} {}\n",
+                n as f64 * 0.002
+            );
+            text += &format!("{KIND_LATENESS}_count{{{labels},kind=\"{kind}\"}} {n}\n");
+        }
+        text += "# EOF\n";
+        match Scrape::parse(&text) {
+            Ok(s) => s,
+            Err(e) => panic!("{e:#}\n{text}"),
+        }
+    }
+
+    #[test]
+    fn merged_adds_up_the_daemons_of_a_group() {
+        let a = delayed_exposition(1, 100, &[("0.005", 2), ("+Inf", 3)], 0);
+        let b = delayed_exposition(2, 50, &[("0.005", 1), ("+Inf", 1)], 0);
+        let m = Scrape::merged(&[a.clone(), b]);
+        assert_eq!(m.only("result", "stored").sum(INGESTED), 150.0);
+        assert_eq!(m.sum(INGESTED), 152.0);
+        assert_eq!(
+            m.buckets(INGEST_TIME),
+            vec![(0.005, 3.0), (f64::INFINITY, 4.0)]
+        );
+        assert!(m.samples.iter().all(|s| s.label("node_id").is_none()));
+        assert_eq!(m.samples.len(), a.samples.len());
+    }
+
+    #[test]
+    fn ingest_delta_counts_stored_and_bounds_batch_time() {
+        let before = delayed_exposition(1, 100, &[("0.005", 2), ("+Inf", 2)], 0);
+        let after = delayed_exposition(1, 1100, &[("0.005", 3), ("+Inf", 4)], 0);
+        let d = IngestDelta::between(&before, &after);
+        assert_eq!((d.stored, d.held, d.duplicates, d.batches), (1000, 0, 0, 2));
+        assert!((d.mean_batch_msgs - 500.0).abs() < 1e-9, "{d:?}");
+        assert!((d.mean_ms - 4.0).abs() < 1e-9, "{d:?}");
+        assert_eq!(d.p99_le_ms, f64::INFINITY);
+    }
+
+    #[test]
+    fn of_kind_counts_only_that_kind() {
+        let before = delayed_exposition(1, 0, &[("+Inf", 0)], 10);
+        let after = delayed_exposition(1, 0, &[("+Inf", 0)], 110);
+        let d = ScanDelta::of_kind(&before, &after, "delayed");
+        assert_eq!(d.fired, 100);
+        assert!((d.lateness_mean_ms - 2.0).abs() < 1e-9, "{d:?}");
+        assert_eq!(d.lateness_p99_le_ms, 10.0);
+        assert_eq!(ScanDelta::of_kind(&before, &after, "expectation").fired, 0);
     }
 
     #[test]
