@@ -9,8 +9,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesOrdered;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -138,119 +136,48 @@ async fn next_bus(
     }
 }
 
-/// Batches being stored at once: one commits while the next is inserted, which roughly
-/// doubles what a node takes in when the commit (its fsync) is the wait.
-const PIPELINE: usize = 2;
-
-/// Receive batches and store up to `PIPELINE` of them at once; acknowledge each batch
-/// (`multiple`) once it and every batch before it are committed, in arrival order. A
-/// batch holding a cancel runs alone: every message that arrived before it is stored
-/// first, and none that arrives after it can be stored before it.
 async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
     let rules = ctx.rules();
     let max = usize::from(ctx.settings.delay.prefetch);
-    let mut storing = FuturesOrdered::new();
-    let ended = loop {
-        tokio::select! {
-            _ = ctx.stop.cancelled() => break None,
-            batch = ingress.next_batch(max), if storing.len() < PIPELINE => {
-                let batch = match batch {
-                    Ok(b) => Batch::read(b, &rules),
-                    Err(e) => {
-                        tracing::warn!(error = %Chain(&e), "delay ingress lost its channel");
-                        break Some(Ended::BusLost);
-                    }
-                };
-                if !batch.cancels {
-                    storing.push_back(take_in(ctx, batch));
-                    continue;
-                }
-                let alone = async {
-                    drain(&ingress, &mut storing).await?;
-                    acknowledge(&ingress, take_in(ctx, batch).await).await
-                };
-                if let Err(ended) = alone.await {
-                    break Some(ended);
-                }
-            },
-            Some(stored) = storing.next() => {
-                if let Err(ended) = acknowledge(&ingress, stored).await {
-                    break Some(ended);
-                }
+    loop {
+        let batch = tokio::select! {
+            _ = ctx.stop.cancelled() => {
+                ingress.close(CLOSE_LIMIT).await;
+                return Ended::Stop;
             }
-        }
-    };
-    // On a stop, the batches being stored commit and are acknowledged (bounded by the
-    // database's own bounds); nothing new is taken.
-    let ended = match ended {
-        Some(ended) => ended,
-        None => drain(&ingress, &mut storing)
-            .await
-            .err()
-            .unwrap_or(Ended::Stop),
-    };
-    ingress.close(CLOSE_LIMIT).await;
-    ended
-}
-
-/// What arrived, read: one ingest instruction per message.
-struct Batch {
-    arrived: Instant,
-    /// The tag that acknowledges the batch.
-    last: u64,
-    items: Vec<Ingest>,
-    cancels: bool,
-}
-
-impl Batch {
-    fn read(batch: Vec<Arrived>, rules: &Rules) -> Self {
-        let arrived = Instant::now();
-        let last = batch.last().map_or(0, |a| a.tag);
-        let items: Vec<Ingest> = batch
-            .into_iter()
-            .map(|a| delayed::ingest(a.message, rules))
-            .collect();
-        let cancels = items.iter().any(|i| matches!(i, Ingest::Cancel(_)));
-        Self {
-            arrived,
-            last,
-            items,
-            cancels,
+            batch = ingress.next_batch(max) => batch,
+        };
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %Chain(&e), "delay ingress lost its channel");
+                return Ended::BusLost;
+            }
+        };
+        if let Err(ended) = take_in(ctx, &ingress, batch, &rules).await {
+            ingress.close(CLOSE_LIMIT).await;
+            return ended;
         }
     }
 }
 
-/// Wait for every batch being stored and acknowledge each.
-async fn drain(
+/// Store one batch, then acknowledge it.
+async fn take_in(
+    ctx: &Intake,
     ingress: &Ingress,
-    storing: &mut FuturesOrdered<impl Future<Output = Result<u64, Ended>>>,
+    batch: Vec<Arrived>,
+    rules: &Rules,
 ) -> Result<(), Ended> {
-    while let Some(stored) = storing.next().await {
-        acknowledge(ingress, stored).await?;
-    }
-    Ok(())
-}
-
-/// Acknowledge a stored batch (every delivery up to its last tag). Stored but not
-/// acknowledged is safe: the redelivery finds its message_id stored.
-async fn acknowledge(ingress: &Ingress, stored: Result<u64, Ended>) -> Result<(), Ended> {
-    let last = stored?;
-    if last == 0 {
-        // Delivery tags start at 1; tag 0 with `multiple` would acknowledge everything.
+    let arrived = Instant::now();
+    let Some(last) = batch.last().map(|a| a.tag) else {
         return Ok(());
-    }
-    ingress.ack_up_to(last).await.map_err(|e| {
-        tracing::warn!(error = %Chain(&e), "cannot acknowledge stored delayed messages");
-        Ended::BusLost
-    })
-}
-
-/// Store one batch; returns the tag that acknowledges it.
-async fn take_in(ctx: &Intake, batch: Batch) -> Result<u64, Ended> {
-    let outcome = store(ctx, &batch.items).await?;
-    ctx.probe
-        .metrics
-        .ingested(&outcome, batch.arrived.elapsed());
+    };
+    let items: Vec<Ingest> = batch
+        .into_iter()
+        .map(|a| delayed::ingest(a.message, rules))
+        .collect();
+    let outcome = store(ctx, &items).await?;
+    ctx.probe.metrics.ingested(&outcome, arrived.elapsed());
     ctx.probe.update(|s| {
         if let Some(i) = s.ingress.as_mut() {
             i.stored_total += outcome.stored;
@@ -262,7 +189,11 @@ async fn take_in(ctx: &Intake, batch: Batch) -> Result<u64, Ended> {
             "delayed messages with bad input stored as failing (see timeoutd pending --failing)"
         );
     }
-    Ok(batch.last)
+    // Stored but not acknowledged is safe: the redelivery finds its message_id stored.
+    ingress.ack_up_to(last).await.map_err(|e| {
+        tracing::warn!(error = %Chain(&e), "cannot acknowledge stored delayed messages");
+        Ended::BusLost
+    })
 }
 
 /// Store a batch, retrying while the database is away for up to `election.member_ttl`
