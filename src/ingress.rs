@@ -17,10 +17,10 @@ use crate::bus::{Arrived, Bus, Ingress, IngressSpec};
 use crate::config::Settings;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{IngressStatus, Probe};
+use crate::store::{Ingest, Stored};
 use crate::store::{IngestOutcome, Store, StoreError};
 use crate::telemetry::Chain;
-use crate::wire::Properties;
-use crate::wire::delayed::{self, Ingest, Rules, Stored};
+use crate::wire::delayed::{self, Rules};
 
 /// Closing the ingress channel is a courtesy (closing the connection returns the
 /// unacknowledged messages too): never wait long for it.
@@ -263,10 +263,7 @@ fn held_plain(s: &Stored, why: &str) -> Stored {
         due: s.due,
         exchange: s.exchange.clone(),
         routing_key: s.routing_key.clone(),
-        properties: Properties {
-            message_id: Some(id),
-            ..Properties::default()
-        },
+        properties: serde_json::json!({ "message_id": id }).to_string(),
         body: s.body.clone(),
         held: Some(format!(
             "the database refused the message as published ({why}); its properties are lost"

@@ -21,7 +21,7 @@ mod delayed;
 mod expectations;
 mod settle;
 
-pub use delayed::{DelayedRow, IngestOutcome, PendingDelayed};
+pub use delayed::{DelayedRow, Due, Ingest, IngestOutcome, PendingDelayed, Stored};
 pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
 use settle::Writes;
 pub use settle::{Failure, Fired, Settlement};
@@ -36,8 +36,6 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database: no answer within {0:?}")]
     NoAnswer(Duration),
-    #[error("cannot encode {0}")]
-    Encode(String),
     #[error("no statements for table {0}")]
     UnknownTable(&'static str),
 }

@@ -2,6 +2,7 @@
 //! due row the scan locks, and cancels.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
@@ -10,7 +11,6 @@ use uuid::Uuid;
 use serde::Serialize;
 
 use super::{DELAYED, PendingFilter, Store, StoreError, lock_rows, safe};
-use crate::wire::delayed::{Due, Ingest, Stored};
 
 /// One due delayed message, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -56,6 +56,37 @@ pub struct PendingDelayed {
     /// Held for an operator: bad input, or delivered but not deletable (see
     /// `last_error`); never delivered again by itself.
     pub held: bool,
+}
+
+/// What one arriving message asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ingest {
+    Store(Box<Stored>),
+    /// Delete the pending message with this `message_id`.
+    Cancel(String),
+}
+
+/// A message to keep until it is due.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stored {
+    pub message_id: String,
+    pub due: Due,
+    pub exchange: String,
+    pub routing_key: String,
+    /// As published, without `x-delay` and `x-timeoutd-*`: the JSON of
+    /// `wire::Properties` (stored as jsonb).
+    pub properties: String,
+    pub body: Vec<u8>,
+    /// Bad input: kept, but held for an operator with this reason, never delivered.
+    pub held: Option<String>,
+}
+
+/// When a stored message is due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Due {
+    /// This long after the database's `now()` at insert.
+    After(Duration),
+    At(DateTime<Utc>),
 }
 
 /// What one ingest transaction did.
@@ -171,14 +202,7 @@ impl Store {
                 Ingest::Cancel(_) => None,
             })
             .collect();
-        let mut properties = Vec::with_capacity(rows.len());
-        for r in &rows {
-            properties.push(
-                serde_json::to_string(&r.properties).map_err(|e| {
-                    StoreError::Encode(format!("properties of {}: {e}", r.message_id))
-                })?,
-            );
-        }
+        let properties: Vec<&str> = rows.iter().map(|r| r.properties.as_str()).collect();
         let (delay_ms, at): (Vec<Option<f64>>, Vec<Option<DateTime<Utc>>>) = rows
             .iter()
             .map(|r| match r.due {

@@ -8,7 +8,7 @@ use chrono::{DateTime, Datelike, Utc};
 use uuid::Uuid;
 
 use super::{Invalid, Message, Properties, Value, short};
-use crate::store::DelayedRow;
+use crate::store::{DelayedRow, Due, Ingest, Stored};
 
 /// Milliseconds to wait, as with the delayed-message-exchange plugin.
 pub const DELAY_HEADER: &str = "x-delay";
@@ -26,36 +26,6 @@ pub const USER_ID_HEADER: &str = "x-timeoutd-user-id";
 const OURS: &str = "x-timeoutd-";
 /// Longer delays are a publisher's mistake (and would overflow timestamps): held.
 const MAX_DELAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// What one arriving message asks for.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Ingest {
-    Store(Box<Stored>),
-    /// Delete the pending message with this `message_id`.
-    Cancel(String),
-}
-
-/// A message to keep until it is due.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Stored {
-    pub message_id: String,
-    pub due: Due,
-    pub exchange: String,
-    pub routing_key: String,
-    /// As published, without `x-delay` and `x-timeoutd-*`.
-    pub properties: Properties,
-    pub body: Vec<u8>,
-    /// Bad input: kept, but held for an operator with this reason, never delivered.
-    pub held: Option<String>,
-}
-
-/// When a stored message is due.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Due {
-    /// This long after the database's `now()` at insert.
-    After(Duration),
-    At(DateTime<Utc>),
-}
 
 /// The group's settings an arriving message is judged by.
 #[derive(Debug, Clone)]
@@ -111,6 +81,10 @@ pub fn ingest(message: Message, rules: &Rules) -> Ingest {
         .unwrap_or_else(|| Uuid::new_v4().to_string());
     properties.message_id = Some(message_id.clone());
     strip_ours(&mut properties.headers);
+    let properties = serde_json::to_string(&properties).unwrap_or_else(|e| {
+        problems.push(format!("properties cannot be stored: {e}"));
+        "{}".to_owned()
+    });
     Ingest::Store(Box::new(Stored {
         message_id,
         due,
