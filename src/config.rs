@@ -275,10 +275,11 @@ impl Settings {
     fn validate_delay(&self) -> Result<(), ConfigError> {
         check_name("delay.exchange", &self.delay_exchange())?;
         check_name("delay.target_exchange", &self.delay.target_exchange)?;
-        if self.delay.exchange.is_empty() || self.delay_exchange().starts_with("amq.") {
+        // Empty names were refused above (1 to 255 bytes); `amq.*` is the broker's.
+        if self.delay_exchange().starts_with("amq.") {
             return Err(ConfigError::invalid(
                 "delay.exchange",
-                "must be a name of our own (not empty, not amq.*)",
+                "must be a name of our own (not amq.*)",
             ));
         }
         if self.delay.prefetch == 0 {
@@ -396,6 +397,12 @@ impl Settings {
     /// quarters of `postgres.statement_timeout`, the rest is left for delete and commit.
     pub fn batch_budget(&self) -> Duration {
         self.postgres.statement_timeout.mul_f64(0.75)
+    }
+
+    /// Client-side bound on one database step (`statement_timeout` + `connect_timeout`):
+    /// the server's own bound cannot help when the network to it drops packets.
+    pub fn db_bound(&self) -> Duration {
+        self.postgres.statement_timeout + self.postgres.connect_timeout
     }
 
     pub fn timing(&self) -> Timing {

@@ -23,7 +23,7 @@ use crate::backoff;
 use crate::bus::{Budget, Bus, BusError, Fate, PublishError, ToPublish};
 use crate::election::Lease;
 use crate::health::{Check, Health};
-use crate::store::{Failure, Fired, Settlement, Store, StoreError, Table};
+use crate::store::{Failure, Fired, Settlement, Store, StoreError, Table, bounded};
 use crate::wire::Message;
 
 pub mod kind;
@@ -125,7 +125,7 @@ impl Scanner {
             max_message_size: usize::try_from(max).unwrap_or(usize::MAX),
             budget: settings.batch_budget(),
             confirm_timeout: settings.amqp.confirm_timeout,
-            db_bound: settings.postgres.statement_timeout + settings.postgres.connect_timeout,
+            db_bound: settings.db_bound(),
             health,
             memory: Mutex::new(Memory::default()),
         }
@@ -448,17 +448,6 @@ fn fired_rows<R: Due>(rows: &[R], fired: &[Uuid]) -> Vec<Fired> {
             deadline: r.deadline(),
         })
         .collect()
-}
-
-/// A database step bounded on the client too: the server's `statement_timeout` cannot
-/// help when the network to it silently drops packets.
-async fn bounded<T>(
-    limit: Duration,
-    step: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    tokio::time::timeout(limit, step)
-        .await
-        .unwrap_or(Err(StoreError::NoAnswer(limit)))
 }
 
 fn lateness<R: Due>(rows: &[R], fired: &[Uuid]) -> Vec<Duration> {

@@ -17,8 +17,7 @@ use crate::bus::{Arrived, Bus, Ingress, IngressSpec};
 use crate::config::Settings;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{IngressStatus, Probe};
-use crate::store::{Ingest, Stored};
-use crate::store::{IngestOutcome, Store, StoreError};
+use crate::store::{Ingest, IngestOutcome, Store, StoreError, Stored, bounded};
 use crate::telemetry::Chain;
 use crate::wire::delayed::{self, Rules};
 
@@ -203,7 +202,7 @@ async fn store(ctx: &Intake, items: &[Ingest]) -> Result<IngestOutcome, Ended> {
     let give_up = Instant::now() + ctx.settings.election.member_ttl;
     let mut backoff = Backoff::new(ctx.settings.backoff.min, ctx.settings.backoff.max);
     loop {
-        match bounded(ctx, ctx.store.ingest(items)).await {
+        match bounded(ctx.settings.db_bound(), ctx.store.ingest(items)).await {
             Ok(outcome) => return Ok(outcome),
             Err(StoreError::Db(sqlx::Error::Database(e))) => {
                 tracing::warn!(error = %e, "the database refused a batch of delayed messages: storing them one by one");
@@ -232,12 +231,17 @@ async fn store(ctx: &Intake, items: &[Ingest]) -> Result<IngestOutcome, Ended> {
 async fn store_alone(ctx: &Intake, items: &[Ingest]) -> IngestOutcome {
     let mut total = IngestOutcome::default();
     for item in items {
-        let outcome = match bounded(ctx, ctx.store.ingest(std::slice::from_ref(item))).await {
+        let outcome = match bounded(
+            ctx.settings.db_bound(),
+            ctx.store.ingest(std::slice::from_ref(item)),
+        )
+        .await
+        {
             Ok(o) => Ok(o),
             Err(StoreError::Db(sqlx::Error::Database(e))) => match item {
                 Ingest::Store(s) => {
                     let plain = Ingest::Store(Box::new(held_plain(s, &e.to_string())));
-                    bounded(ctx, ctx.store.ingest(&[plain])).await
+                    bounded(ctx.settings.db_bound(), ctx.store.ingest(&[plain])).await
                 }
                 Ingest::Cancel(_) => Err(StoreError::Db(sqlx::Error::Database(e))),
             },
@@ -269,16 +273,6 @@ fn held_plain(s: &Stored, why: &str) -> Stored {
             "the database refused the message as published ({why}); its properties are lost"
         )),
     }
-}
-
-async fn bounded<T>(
-    ctx: &Intake,
-    step: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    let limit = ctx.settings.postgres.statement_timeout + ctx.settings.postgres.connect_timeout;
-    tokio::time::timeout(limit, step)
-        .await
-        .unwrap_or(Err(StoreError::NoAnswer(limit)))
 }
 
 /// Until Postgres answers (or a stop).

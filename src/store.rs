@@ -251,6 +251,17 @@ impl Store {
     }
 }
 
+/// A database step bounded on the client too: the server's `statement_timeout` cannot
+/// help when the network to it silently drops packets.
+pub(crate) async fn bounded<T>(
+    limit: Duration,
+    step: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, step)
+        .await
+        .unwrap_or(Err(StoreError::NoAnswer(limit)))
+}
+
 /// Run a due-row statement of any table (binds: `$1` limit, `$2` largest content to
 /// fetch with the row, in bytes, `$3` ids to skip).
 async fn lock_rows<R>(

@@ -37,7 +37,7 @@ pub struct Rules {
 /// Read one arriving message (its routing key, properties and body).
 pub fn ingest(message: Message, rules: &Rules) -> Ingest {
     let Message {
-        routing_key,
+        mut routing_key,
         mut properties,
         body,
         ..
@@ -71,7 +71,6 @@ pub fn ingest(message: Message, rules: &Rules) -> Ingest {
     if let Some(v) = properties.header(CANCEL_HEADER) {
         problems.push(format!("{CANCEL_HEADER} is not a message id: {v:?}"));
     }
-    let mut routing_key = routing_key;
     if without_nul(&mut routing_key) | without_nul_in(&mut properties) {
         problems.push("NUL characters (which Postgres text cannot hold) replaced".to_owned());
     }

@@ -12,13 +12,8 @@ pub(crate) struct PublishBaseline {
     pub(crate) delivery: Delivery,
 }
 
-/// The burst's TimeOuts, published pipelined in windows of 500 (publish all, then await
-/// all confirms), mandatory, until the consumer has them all. Like the daemon, the
-/// publisher has its own connection; one untimed window warms it up.
-pub(crate) async fn baseline_publish(env: &Env, n: usize) -> Result<PublishBaseline> {
-    let mut messages = baseline_messages(&env.queue, n + WINDOW)?;
-    let timed = messages.split_off(WINDOW);
-    let expected: HashSet<Uuid> = timed.iter().map(|(id, _)| *id).collect();
+/// A connection of the publisher's own and a channel in confirm mode on it.
+pub(crate) async fn confirm_channel(env: &Env) -> Result<(Connection, lapin::Channel)> {
     let conn = bounded(
         "connect to RabbitMQ",
         Duration::from_secs(10),
@@ -29,6 +24,17 @@ pub(crate) async fn baseline_publish(env: &Env, n: usize) -> Result<PublishBasel
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
+    Ok((conn, channel))
+}
+
+/// The burst's TimeOuts, published pipelined in windows of 500 (publish all, then await
+/// all confirms), mandatory, until the consumer has them all. Like the daemon, the
+/// publisher has its own connection; one untimed window warms it up.
+pub(crate) async fn baseline_publish(env: &Env, n: usize) -> Result<PublishBaseline> {
+    let mut messages = baseline_messages(&env.queue, n + WINDOW)?;
+    let timed = messages.split_off(WINDOW);
+    let expected: HashSet<Uuid> = timed.iter().map(|(id, _)| *id).collect();
+    let (conn, channel) = confirm_channel(env).await?;
     publish_window(&channel, &messages).await?;
     env.inbox.wait_for(WINDOW, receive_limit(WINDOW)).await;
     env.inbox.take();

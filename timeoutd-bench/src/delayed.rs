@@ -530,16 +530,7 @@ pub(crate) struct Publisher {
 
 impl Publisher {
     pub(crate) async fn open(env: &Env) -> Result<Self> {
-        let conn = bounded(
-            "connect to RabbitMQ",
-            Duration::from_secs(10),
-            Connection::connect(&env.amqp_url, ConnectionProperties::default()),
-        )
-        .await??;
-        let channel = conn.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let (conn, channel) = crate::baselines::confirm_channel(env).await?;
         Ok(Self {
             conn,
             channel,
