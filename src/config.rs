@@ -132,6 +132,13 @@ pub struct Election {
 pub struct Scan {
     pub batch_size: u32,
     pub concurrency: u32,
+    /// Rows due within this much are locked ahead and published at their deadline;
+    /// zero locks rows only once they are due.
+    #[serde(with = "humantime_serde")]
+    pub horizon: Duration,
+    /// Of `concurrency`, batches kept for rows that came due within the last second
+    /// while a backlog drains (0: strictly oldest first).
+    pub fresh_slots: u32,
     #[serde(with = "humantime_serde")]
     pub retry_min: Duration,
     #[serde(with = "humantime_serde")]
@@ -253,6 +260,12 @@ impl Settings {
         self.validate_durations()?;
         check_range("scan.batch_size", self.scan.batch_size, 1, 10_000)?;
         check_range("scan.concurrency", self.scan.concurrency, 1, 16)?;
+        if self.scan.fresh_slots >= self.scan.concurrency {
+            return Err(ConfigError::invalid(
+                "scan.fresh_slots",
+                "must be less than scan.concurrency (a backlog needs a batch of its own)",
+            ));
+        }
         if self.scan.concurrency + 2 > self.postgres.max_connections {
             return Err(ConfigError::invalid(
                 "postgres.max_connections",
@@ -381,6 +394,21 @@ impl Settings {
                 "shutdown.timeout",
                 "must be greater than 3/4 of postgres.statement_timeout (the longest a \
                  batch in flight may take to finish)",
+            ));
+        }
+        // Held rows are sent within the horizon; half of what the batch may spend on
+        // sending leaves the rest for rows already due in the same batch.
+        let sending = self
+            .batch_budget()
+            .saturating_sub(self.amqp.confirm_timeout);
+        if self.scan.horizon > sending / 2 {
+            return Err(ConfigError::invalid(
+                "scan.horizon",
+                format!(
+                    "must be at most {:?}: half of 3/4 of postgres.statement_timeout minus \
+                     amqp.confirm_timeout (the time a batch may spend sending)",
+                    sending / 2
+                ),
             ));
         }
         let size = self.amqp.max_message_size.as_u64();

@@ -1,7 +1,9 @@
-//! Firing: one transactional batch: lock due rows → publish their messages → one fate
-//! per row → delete the confirmed rows, charge the failed ones → commit. The script is
-//! the same for every kind of due row ([`kind::Kind`]: an expectation that becomes a
-//! TimeOut, a stored message to deliver).
+//! Firing: one transactional batch: lock the rows due within a window → publish each
+//! row's message at its due time → one fate per row → delete the confirmed rows, charge
+//! the failed ones → commit. Rows locked ahead of their due time are held and sent on
+//! the dot by the database's clock, never before ([`slots`]). The script is the same for
+//! every kind of due row ([`kind::Kind`]: an expectation that becomes a TimeOut, a
+//! stored message to deliver).
 //!
 //! The transaction is what makes a row fire once: its rows stay locked (and invisible to
 //! other scanners through SKIP LOCKED) from the moment they are read until the commit.
@@ -16,19 +18,24 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::backoff;
-use crate::bus::{Budget, Bus, BusError, Fate, PublishError, ToPublish};
+use crate::bus::{Budget, Bus, BusError, Fate, PublishError, Published, ToPublish};
 use crate::election::Lease;
 use crate::health::{Check, Health};
-use crate::store::{Failure, Fired, Settlement, Store, StoreError, Table, bounded};
+use crate::store::{Failure, Fired, Settlement, Store, StoreError, Table, Window, bounded};
 use crate::wire::Message;
 
 pub mod kind;
+pub mod slots;
 
 pub use kind::{Delayed, Due, Expectations, Kind};
+pub use slots::DbClock;
 
 /// Rows remembered per kind of memory (suspects, rows to skip, rows to delete later):
 /// beyond this the oldest are forgotten, which costs at most a second TimeOut.
@@ -73,15 +80,51 @@ pub struct BatchOutcome {
     pub untouched: usize,
     /// Rows whose TimeOut was confirmed but that could not be deleted (parked).
     pub parked: usize,
-    /// The lease was not held before publishing: rolled back, nothing sent.
+    /// The lease was not held before publishing (rolled back, nothing sent), or was lost
+    /// while rows were held (the rest left unsent).
     pub lease_lost: bool,
     pub duration: Duration,
+    /// The database clock as the lock statement read it; `None` if it locked nothing.
+    pub clock: Option<DbClock>,
+    /// The due time of the last row locked (rows are locked in due order).
+    pub last_due: Option<DateTime<Utc>>,
+    /// Up to when rows were due for the lock statement (it took them all unless full).
+    pub window_end: Option<DateTime<Utc>>,
+    /// How long each step took (see [`Step`]).
+    pub steps: Vec<(Step, Duration)>,
     /// Lateness of each fired row (fire time minus deadline).
     pub lateness: Vec<Duration>,
     /// Why each kept row failed (`PublishError::reason`), for the metrics.
     pub failure_reasons: Vec<&'static str>,
     /// The bus failed under the batch (no channel, connection lost).
     pub bus_trouble: Option<BusError>,
+}
+
+/// A step of a batch, timed for the metrics (`timeoutd_batch_step_seconds{step}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// How late the timer fired after a held slot's due instant.
+    Wake,
+    /// BEGIN and the locking statement (and large contents fetched alone).
+    Lock,
+    /// Writing one slot's messages.
+    Publish,
+    /// From a slot's last write to its last confirm.
+    Confirm,
+    /// Delete, charge, commit.
+    Settle,
+}
+
+impl Step {
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::Wake => "wake",
+            Step::Lock => "lock",
+            Step::Publish => "publish",
+            Step::Confirm => "confirm",
+            Step::Settle => "settle",
+        }
+    }
 }
 
 /// Settings of the scan, and what it remembers between batches about single rows.
@@ -142,45 +185,62 @@ impl Scanner {
         bounded(limit, step).await
     }
 
-    /// Run one batch. `lease` is asked right before publishing: anything but `Held` rolls
-    /// back (nothing has been sent yet). `stop` ends publishing early; what was sent is
-    /// still awaited and committed.
+    /// Run one batch over the rows due within `window`. `lease` is asked right before
+    /// each slot is sent: anything but `Held` before the first rolls back (nothing has
+    /// been sent yet), later it stops sending. `stop` ends sending early; what was sent
+    /// is still awaited and committed.
     pub async fn run_batch<K: Kind>(
         &self,
         store: &Store,
         bus: &Bus,
         lease: impl Fn() -> Lease,
         stop: &CancellationToken,
+        window: Window,
     ) -> Result<BatchOutcome, ScanError> {
         let started = Instant::now();
         let skip = self.skipped();
         let locked = self.db(self.db_bound, async {
             let mut tx = store.begin().await?;
-            let mut rows =
-                K::lock_due(store, &mut tx, self.batch_size, INLINE_PAYLOAD, &skip).await?;
+            let mut rows = K::lock_due(
+                store,
+                &mut tx,
+                self.batch_size,
+                INLINE_PAYLOAD,
+                &skip,
+                window,
+            )
+            .await?;
+            let read_at = Instant::now();
             let deferred = self
                 .fetch_large_payloads::<K>(store, &mut tx, &mut rows)
                 .await?;
-            Ok((tx, rows, deferred))
+            Ok((tx, rows, deferred, read_at))
         });
-        let (mut tx, rows, deferred) = locked.await?;
+        let (mut tx, mut rows, deferred, read_at) = locked.await?;
         let mut outcome = BatchOutcome {
             kind: K::NAME,
             locked: rows.len() + deferred,
             untouched: deferred,
+            clock: read_clock(&rows, read_at),
+            last_due: rows.last().map(Due::due_at),
+            window_end: rows.first().map(Due::window_end),
+            steps: vec![(Step::Lock, started.elapsed())],
             ..BatchOutcome::default()
         };
-        if rows.is_empty() || lease() != Lease::Held {
+        let Some(clock) = outcome.clock.filter(|_| lease() == Lease::Held) else {
             outcome.lease_lost = !rows.is_empty();
             self.db(self.db_bound, async { Ok(tx.rollback().await?) })
                 .await?;
             outcome.duration = started.elapsed();
             return Ok(outcome);
-        }
+        };
         let budget = self.budget_from(started, stop);
-        let judged = self.publish::<K>(bus, &rows, &budget).await;
+        let judged = self
+            .publish_on_time::<K>(bus, &mut rows, clock, &budget, &lease, &mut outcome)
+            .await;
         outcome.bus_trouble = judged.trouble;
         // From here on the batch commits: the broker may have confirmed TimeOuts.
+        let settling = Instant::now();
         let settle = self.db(self.db_bound * 2, async {
             let settled = store
                 .settle(&mut tx, K::TABLE, &judged.fired, &judged.failures)
@@ -199,6 +259,7 @@ impl Scanner {
                 });
             }
         };
+        outcome.steps.push((Step::Settle, settling.elapsed()));
         self.report(K::TABLE, &settled, &fired);
         outcome.fired = judged.fired.len();
         outcome.failed = judged.failures.len();
@@ -312,30 +373,125 @@ impl Scanner {
         }
     }
 
-    /// Build every row's message, publish them, and sort the rows by fate.
-    async fn publish<K: Kind>(&self, bus: &Bus, rows: &[K::Row], budget: &Budget) -> Judged {
+    /// Send the rows slot by slot, each at its due time (rows already due at once), and
+    /// sort them by fate. Slots are published side by side: a slot's confirms are
+    /// awaited while the next slot waits for its time. Rows of slots not sent (stop,
+    /// lease lost, budget spent) are left untouched.
+    async fn publish_on_time<K: Kind>(
+        &self,
+        bus: &Bus,
+        rows: &mut [K::Row],
+        clock: DbClock,
+        budget: &Budget,
+        lease: &impl Fn() -> Lease,
+        outcome: &mut BatchOutcome,
+    ) -> Judged {
+        let due: Vec<Instant> = rows.iter().map(|r| clock.local(r.due_at())).collect();
         let mut judged = Judged::default();
-        let mut sendable = Vec::with_capacity(rows.len());
-        let mut messages = Vec::with_capacity(rows.len());
-        {
-            let memory = self.memory();
-            for row in rows {
-                match self.message::<K>(row) {
-                    Ok(message) => {
-                        let alone = memory.suspects.contains_key(&row.id());
-                        sendable.push(row);
-                        messages.push(ToPublish { message, alone });
-                    }
-                    Err(e) => judged.fail(self.failure::<K>(row, &e)),
+        let mut in_flight = FuturesUnordered::new();
+        let mut slots = slots::plan(&due, slots::SLOT).into_iter();
+        while let Some(slot) = slots.next() {
+            let woke = self
+                .until::<K>(slot.at, &mut in_flight, rows, outcome, &mut judged, budget)
+                .await;
+            if !woke || !budget.may_send() || lease() != Lease::Held {
+                outcome.lease_lost |= woke && lease() != Lease::Held;
+                let left: usize = slots.map(|s| s.rows.len()).sum();
+                judged.untouched += slot.rows.len() + left;
+                break;
+            }
+            let now = Instant::now();
+            if slot.at > clock.at {
+                outcome
+                    .steps
+                    .push((Step::Wake, now.saturating_duration_since(slot.at)));
+            }
+            let sent_at = clock.db_at(now);
+            rows[slot.rows.clone()]
+                .iter_mut()
+                .for_each(|r| r.set_fired_at(sent_at));
+            let (sending, messages) = self.messages::<K>(&rows[slot.rows.clone()], &mut judged);
+            let offset = slot.rows.start;
+            in_flight.push(async move {
+                let published = bus.publish_batch(&messages, budget).await;
+                let alone: Vec<bool> = messages.iter().map(|m| m.alone).collect();
+                (now, offset, sending, alone, published, Instant::now())
+            });
+        }
+        while let Some(done) = in_flight.next().await {
+            self.take_slot::<K>(done, rows, outcome, &mut judged);
+        }
+        judged
+    }
+
+    /// Wait until `at`, taking the fates of slots sent earlier as they come in. False
+    /// when stopped first.
+    async fn until<K: Kind>(
+        &self,
+        at: Instant,
+        in_flight: &mut FuturesUnordered<impl Future<Output = SlotDone>>,
+        rows: &[K::Row],
+        outcome: &mut BatchOutcome,
+        judged: &mut Judged,
+        budget: &Budget,
+    ) -> bool {
+        let sleep = tokio::time::sleep_until(at.into());
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                _ = &mut sleep => return true,
+                _ = budget.stop.cancelled() => return false,
+                Some(done) = in_flight.next(), if !in_flight.is_empty() => {
+                    self.take_slot::<K>(done, rows, outcome, judged);
                 }
             }
         }
-        let published = bus.publish_batch(&messages, budget).await;
-        judged.trouble = published.trouble;
-        for ((row, m), fate) in sendable.iter().zip(&messages).zip(published.fates) {
-            self.judge::<K>(*row, m.alone, fate, &mut judged);
+    }
+
+    /// The fates of one slot's rows, and its publish and confirm steps.
+    fn take_slot<K: Kind>(
+        &self,
+        (started, offset, sending, alone, published, done): SlotDone,
+        rows: &[K::Row],
+        outcome: &mut BatchOutcome,
+        judged: &mut Judged,
+    ) {
+        if let Some(sent) = published.sent {
+            outcome
+                .steps
+                .push((Step::Publish, sent.saturating_duration_since(started)));
+            outcome
+                .steps
+                .push((Step::Confirm, done.saturating_duration_since(sent)));
         }
-        judged
+        judged.trouble = judged.trouble.take().or(published.trouble);
+        let sent = sending.iter().zip(alone).zip(published.fates);
+        for ((i, alone), fate) in sent {
+            self.judge::<K>(&rows[offset + i], alone, fate, judged);
+        }
+    }
+
+    /// Build each row's message; rows that cannot be one are failed here. Returns the
+    /// positions (within `rows`) of the rows to send, and their messages.
+    fn messages<K: Kind>(
+        &self,
+        rows: &[K::Row],
+        judged: &mut Judged,
+    ) -> (Vec<usize>, Vec<ToPublish>) {
+        let memory = self.memory();
+        let mut sending = Vec::with_capacity(rows.len());
+        let mut messages = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            match self.message::<K>(row) {
+                Ok(message) => {
+                    let alone = memory.suspects.contains_key(&row.id());
+                    sending.push(i);
+                    messages.push(ToPublish { message, alone });
+                }
+                Err(e) => judged.fail(self.failure::<K>(row, &e)),
+            }
+        }
+        (sending, messages)
     }
 
     fn judge<K: Kind>(&self, row: &K::Row, alone: bool, fate: Fate, judged: &mut Judged) {
@@ -420,6 +576,16 @@ impl Scanner {
         }
         K::message(row, self.node_id).map_err(|e| PublishError::Invalid(e.0))
     }
+}
+
+/// A slot sent: when it started, where its rows start in the batch, which of them were
+/// sent (positions within the slot) and whether alone, their fates, when it ended.
+type SlotDone = (Instant, usize, Vec<usize>, Vec<bool>, Published, Instant);
+
+/// The database clock of a lock statement that locked rows: the latest read among them.
+fn read_clock<R: Due>(rows: &[R], at: Instant) -> Option<DbClock> {
+    let db = rows.iter().map(Due::fired_at).max()?;
+    Some(DbClock { at, db })
 }
 
 /// Rows sorted by fate.

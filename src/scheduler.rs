@@ -1,14 +1,18 @@
-//! When to scan. While active, the scan loop runs batches until one comes back short,
-//! then sleeps until the earliest pending deadline (never longer than a tick), and is
-//! woken early by Postgres `NOTIFY` when a new, earlier deadline is inserted. Rows are
-//! still only fired when the database's `now()` has passed them, so waking early or late
-//! never fires early.
+//! When to fire. While active, the scan task runs batches as its [`pacer::Pacer`] says:
+//! rows that come due within `scan.horizon` are locked a little ahead and each is sent
+//! at its due time (by the database's clock: waking early or late never sends early); a
+//! backlog of overdue rows drains oldest first, batch after batch, with a share kept for
+//! rows coming due meanwhile. Postgres `NOTIFY` tells of new and moved due times; the
+//! due index is probed every tick besides. Batches run as tasks of their own, so a
+//! probe or a slow commit never delays a held row.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
-use tokio::sync::{Notify, watch};
+use chrono::{DateTime, Utc};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -19,11 +23,20 @@ use crate::fire::{BatchOutcome, Delayed, Expectations, ScanError, Scanner};
 use crate::health::{Check, Health};
 use crate::shutdown::sleep_or_stop;
 use crate::status::{Probe, ScanStatus};
-use crate::store::Store;
+use crate::store::{DELAYED, EXPECTATIONS, Store, Table, Window};
 use crate::telemetry::Chain;
+
+mod pacer;
+
+use pacer::{Finished, Lane, Pacer};
 
 /// How often the per-batch activity is summarised at info level.
 const SUMMARY_EVERY: Duration = Duration::from_secs(1);
+/// Rows overdue by more than this are a backlog (see `pacer`).
+const FRESH: Duration = Duration::from_secs(1);
+/// Notifications queued for the scan loop; beyond this they are dropped and the loop
+/// looks at every table instead.
+const NOTICES: usize = 1024;
 
 /// What the scan task uses: the store, the bus and the lease view the node task
 /// publishes, the status and health it reports to.
@@ -43,66 +56,195 @@ impl Firing {
     fn lease(&self) -> Lease {
         self.lease.borrow().check(Instant::now())
     }
+
+    fn pacing(&self) -> pacer::Config {
+        let scan = &self.settings.scan;
+        pacer::Config {
+            horizon: scan.horizon,
+            lead: pacer::Config::lead_for(scan.horizon),
+            fresh: FRESH,
+            concurrency: scan.concurrency as usize,
+            fresh_slots: scan.fresh_slots as usize,
+            tick: self.settings.election.tick,
+        }
+    }
+}
+
+/// A new or moved due time, from the trigger's `NOTIFY`: of which kind (`None`: any)
+/// and when (`None`: unknown, look now).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Notice {
+    kind: Option<Fires>,
+    due: Option<DateTime<Utc>>,
+}
+
+/// Notifications on their way to the scan loop; `lost` when some were dropped.
+struct Notices {
+    rx: mpsc::Receiver<Notice>,
+    lost: Arc<AtomicBool>,
 }
 
 /// The scan loop of one node (runs for the daemon's whole life; idle while passive).
 pub(crate) async fn scan_loop(shared: Arc<Firing>) {
     let settings = &shared.settings;
-    let scanner = Scanner::new(shared.node_id, settings, shared.health.clone());
-    let wake = Arc::new(Notify::new());
-    let listener = tokio::spawn(listen(shared.clone(), wake.clone()));
+    let scanner = Arc::new(Scanner::new(
+        shared.node_id,
+        settings,
+        shared.health.clone(),
+    ));
+    let (tx, rx) = mpsc::channel(NOTICES);
+    let lost = Arc::new(AtomicBool::new(false));
+    let listener = tokio::spawn(listen(shared.clone(), tx, lost.clone()));
+    let mut notices = Notices { rx, lost };
     let mut lease = shared.lease.clone();
     let mut bus = shared.bus.clone();
-    let mut backoff = health_backoff(settings);
     let mut summary = Summary::new();
     let mut checked = Instant::now();
     loop {
         shared.probe.beat(&shared.probe.scan_beat);
-        if lease.borrow_and_update().role != Role::Active {
-            if checked.elapsed() >= settings.election.announce_interval {
-                check_while_passive(&shared, &scanner).await;
-                checked = Instant::now();
-            }
-            // Wake at least every tick so the liveness heartbeat keeps moving.
-            tokio::select! {
-                _ = shared.stop.cancelled() => break,
-                _ = lease.changed() => {},
-                _ = tokio::time::sleep(settings.election.tick) => {},
-            }
-            continue;
-        }
         let current = bus.borrow_and_update().clone();
-        let pause = match current {
-            None => settings.election.tick,
+        let active = lease.borrow_and_update().role == Role::Active;
+        match current.filter(|_| active) {
             Some(bus) => {
-                let drained = drain(&shared, &scanner, &bus, &mut summary).await;
-                shared.health.record(Check::Postgres, &drained);
-                match drained {
-                    Ok(locked) => {
-                        backoff.reset();
-                        if locked == 0 {
-                            recheck_publish(&shared).await;
-                        }
-                        next_wake(&shared, locked > 0).await
-                    }
-                    Err(e) => {
-                        let delay = backoff.next_delay();
-                        tracing::error!(error = %Chain(&e), retry_in = ?delay, "scan failed");
-                        shared.probe.update(|s| s.database_ok = Some(false));
-                        delay
-                    }
+                fire_while_active(&shared, &scanner, &bus, &mut notices, &mut summary).await
+            }
+            None => {
+                if !active && checked.elapsed() >= settings.election.announce_interval {
+                    check_while_passive(&shared, &scanner).await;
+                    checked = Instant::now();
+                }
+                // Due times announced while passive are stale once active: it probes.
+                while notices.rx.try_recv().is_ok() {}
+                // Wake at least every tick so the liveness heartbeat keeps moving.
+                tokio::select! {
+                    _ = shared.stop.cancelled() => {},
+                    _ = lease.changed() => {},
+                    _ = bus.changed() => {},
+                    _ = tokio::time::sleep(settings.election.tick) => {},
                 }
             }
-        };
-        tokio::select! {
-            _ = shared.stop.cancelled() => break,
-            _ = tokio::time::sleep(pause) => {},
-            _ = wake.notified() => {},
-            _ = bus.changed() => {},
+        }
+        if shared.stop.is_cancelled() {
+            break;
         }
     }
     summary.flush();
     listener.abort();
+}
+
+/// What a batch task returns: its kind, lane and result.
+type Ran = (Fires, usize, Lane, Result<BatchOutcome, ScanError>);
+
+/// Fire as the pacer says until the lease is lost, the broker connection changes or we
+/// stop; then wait for the batches in flight (each commits or rolls back as a whole).
+async fn fire_while_active(
+    shared: &Arc<Firing>,
+    scanner: &Arc<Scanner>,
+    bus: &Arc<Bus>,
+    notices: &mut Notices,
+    summary: &mut Summary,
+) {
+    let kinds = kinds(&shared.settings);
+    let mut pacer = Pacer::new(shared.pacing(), kinds.len(), Instant::now());
+    let mut batches: JoinSet<Ran> = JoinSet::new();
+    let mut lease = shared.lease.clone();
+    let mut bus_rx = shared.bus.clone();
+    let mut backoff = health_backoff(&shared.settings);
+    loop {
+        shared.probe.beat(&shared.probe.scan_beat);
+        if notices.lost.swap(false, Ordering::Relaxed) {
+            pacer.notified(None, None, Instant::now());
+        }
+        probe(shared, &kinds, &mut pacer).await;
+        if batches.is_empty() {
+            settle_leftovers(scanner, &shared.store).await;
+            recheck_publish(shared).await;
+        }
+        for (kind, lane) in pacer.starts(Instant::now()) {
+            let window = pacer.config().window(lane);
+            let fires = kinds[kind];
+            let task = batch(shared.clone(), scanner.clone(), bus.clone(), fires, window);
+            batches.spawn(async move { (fires, kind, lane, task.await) });
+        }
+        let wake = pacer.wake_at(Instant::now());
+        tokio::select! {
+            _ = shared.stop.cancelled() => break,
+            _ = lease.changed() => if lease.borrow_and_update().role != Role::Active { break },
+            _ = bus_rx.changed() => break,
+            Some(joined) = batches.join_next(), if !batches.is_empty() => {
+                finished(shared, &mut pacer, &mut backoff, summary, joined);
+            }
+            Some(n) = notices.rx.recv() => {
+                pacer.notified(n.kind.and_then(|k| kinds.iter().position(|x| *x == k)), n.due, Instant::now());
+            }
+            _ = tokio::time::sleep_until(wake.into()) => {}
+        }
+    }
+    while let Some(joined) = batches.join_next().await {
+        finished(shared, &mut pacer, &mut backoff, summary, joined);
+    }
+}
+
+/// Probe the kinds whose probe is due.
+async fn probe(shared: &Firing, kinds: &[Fires], pacer: &mut Pacer) {
+    for (kind, after) in pacer.probes_due(Instant::now()) {
+        let probed = probe_table(shared, kinds[kind].table(), after).await;
+        shared.health.record(Check::Postgres, &probed);
+        match probed {
+            Ok(p) => pacer.probed(kind, Instant::now(), p),
+            Err(e) => {
+                tracing::warn!(error = %e, kind = kinds[kind].table().kind(), "cannot probe the due rows");
+                shared.probe.update(|s| s.database_ok = Some(false));
+                pacer.probe_failed(kind, Instant::now());
+            }
+        }
+    }
+}
+
+/// One batch ended: record it and tell the pacer.
+fn finished(
+    shared: &Firing,
+    pacer: &mut Pacer,
+    backoff: &mut Backoff,
+    summary: &mut Summary,
+    joined: Result<Ran, tokio::task::JoinError>,
+) {
+    let now = Instant::now();
+    let (kind, index, lane, result) = match joined {
+        Ok(ran) => ran,
+        Err(e) => {
+            // A panic is a bug; its transaction was dropped, which rolls it back.
+            tracing::error!(error = %e, "a scan batch failed");
+            return;
+        }
+    };
+    shared.health.record(Check::Postgres, &result);
+    match result {
+        Ok(outcome) => {
+            backoff.reset();
+            record(shared, &outcome, summary);
+            let full = outcome.locked >= shared.settings.scan.batch_size as usize;
+            pacer.finished(
+                index,
+                lane,
+                now,
+                Finished {
+                    locked: outcome.locked,
+                    full,
+                    untouched: outcome.untouched,
+                    clock: outcome.clock,
+                    last_due: outcome.last_due,
+                    window_end: outcome.window_end,
+                },
+            );
+        }
+        Err(e) => {
+            let delay = backoff.next_delay();
+            tracing::error!(error = %Chain(&e), kind = kind.table().kind(), retry_in = ?delay, "scan failed");
+            shared.probe.update(|s| s.database_ok = Some(false));
+            pacer.failed(index, lane, now, delay);
+        }
+    }
 }
 
 /// Delete the confirmed rows of batches that did not commit. Failing that is no reason to
@@ -124,12 +266,19 @@ async fn settle_leftovers(scanner: &Scanner, store: &crate::store::Store) {
 
 /// A passive node must know whether it could fire if elected: a withdrawn one rejoins
 /// only when Postgres answers again (so that nobody flaps while the database is down for
-/// everyone) and, if publishing was what failed, when it can get a channel again. Rows fired by a batch that then failed to commit are deleted now too.
+/// everyone) and, if publishing was what failed, when it can get a channel again. Rows
+/// fired by a batch that then failed to commit are deleted now too.
 async fn check_while_passive(shared: &Firing, scanner: &Scanner) {
     recheck_publish(shared).await;
     // The due-row index, not just `SELECT 1`: a table locked by someone else (a
     // migration, an ALTER) fails the scan, and must fail this check too.
-    let pinged = next_due(shared).await;
+    let mut pinged = Ok(());
+    for kind in kinds(&shared.settings) {
+        if let Err(e) = probe_table(shared, kind.table(), None).await {
+            pinged = Err(e);
+            break;
+        }
+    }
     shared.health.record(Check::Postgres, &pinged);
     shared
         .probe
@@ -162,34 +311,29 @@ fn health_backoff(s: &crate::config::Settings) -> Backoff {
     )
 }
 
-/// How long to sleep: until the earliest deadline, at most one tick. A deadline already
-/// past is usually a row that came due while the last batch ran: scan again at once. But
-/// if the last scan found nothing to lock, such rows are held by another scan: wait a
-/// tick rather than spin.
-async fn next_wake(shared: &Firing, scanned_some: bool) -> Duration {
-    let tick = shared.settings.election.tick;
-    match next_due(shared).await {
-        // Rounded up by a millisecond so the database's now() has passed it.
-        Ok(Some(secs)) if secs > 0.0 => Duration::from_secs_f64(secs + 0.001).min(tick),
-        Ok(Some(_)) if scanned_some => Duration::ZERO,
-        _ => tick,
-    }
-}
-
-/// Seconds to the earliest deadline (see `Store::next_due_in`), bounded on the client.
-async fn next_due(shared: &Firing) -> Result<Option<f64>, String> {
+/// When the next rows of `table` are due (see `Store::probe`), bounded on the client.
+async fn probe_table(
+    shared: &Firing,
+    table: Table,
+    after: Option<DateTime<Utc>>,
+) -> Result<crate::store::Probe, String> {
     let limit = shared.settings.postgres.statement_timeout;
     let _under_way = shared.health.step(Check::Postgres);
-    match tokio::time::timeout(limit, shared.store.next_due_in()).await {
-        Ok(r) => r.map_err(|e| e.to_string()),
+    match tokio::time::timeout(limit, shared.store.probe(table, after, FRESH)).await {
+        Ok(r) => r.map_err(|e| Chain(&e).to_string()),
         Err(_) => Err(format!("no answer within {limit:?}")),
     }
 }
 
 /// Forward the trigger's notifications to the scan loop; reconnect with backoff.
-async fn listen(shared: Arc<Firing>, wake: Arc<Notify>) {
+async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, lost: Arc<AtomicBool>) {
     let s = &shared.settings;
     let mut backoff = health_backoff(s);
+    let send = |n: Notice| {
+        if tx.try_send(n).is_err() {
+            lost.store(true, Ordering::Relaxed);
+        }
+    };
     loop {
         let listening = shared.store.listener().await;
         shared.health.record(Check::Listen, &listening);
@@ -211,9 +355,12 @@ async fn listen(shared: Arc<Firing>, wake: Arc<Notify>) {
                 n = listener.try_recv() => n,
             };
             match next {
-                Ok(Some(_)) => wake.notify_one(),
+                Ok(Some(n)) => send(parse_notice(n.payload())),
                 // Reconnected: notifications in the gap are lost, so look once now.
-                Ok(None) => wake.notify_one(),
+                Ok(None) => send(Notice {
+                    kind: None,
+                    due: None,
+                }),
                 Err(e) => {
                     tracing::warn!(error = %Chain(&e), "LISTEN connection failed");
                     shared.health.fail(Check::Listen, Instant::now());
@@ -224,6 +371,32 @@ async fn listen(shared: Arc<Firing>, wake: Arc<Notify>) {
     }
 }
 
+/// The trigger's payload: `<kind>:<epoch micros>` (migration 0005), `<kind>:` for an
+/// infinite due time; anything else asks to look at every kind now.
+fn parse_notice(payload: &str) -> Notice {
+    let Some((kind, micros)) = payload.split_once(':') else {
+        return Notice {
+            kind: None,
+            due: None,
+        };
+    };
+    let kind = Fires::ALL.into_iter().find(|f| f.table().kind() == kind);
+    match micros {
+        // Infinite: a held or parked row, nothing to wake for.
+        "" if kind.is_some() => Notice {
+            kind,
+            due: Some(DateTime::<Utc>::MAX_UTC),
+        },
+        _ => Notice {
+            kind,
+            due: micros
+                .parse()
+                .ok()
+                .and_then(DateTime::from_timestamp_micros),
+        },
+    }
+}
+
 /// A kind of due row the scan fires.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fires {
@@ -231,81 +404,59 @@ enum Fires {
     Delayed,
 }
 
+impl Fires {
+    const ALL: [Fires; 2] = [Fires::Expectations, Fires::Delayed];
+
+    fn table(self) -> Table {
+        match self {
+            Fires::Expectations => EXPECTATIONS,
+            Fires::Delayed => DELAYED,
+        }
+    }
+}
+
 fn kinds(settings: &Settings) -> Vec<Fires> {
     if settings.delay.enabled {
-        vec![Fires::Expectations, Fires::Delayed]
+        Fires::ALL.to_vec()
     } else {
         vec![Fires::Expectations]
     }
 }
 
+/// One batch of `kind` over `window`, as a task of its own.
 async fn batch(
-    shared: &Firing,
-    scanner: &Scanner,
-    bus: &Bus,
+    shared: Arc<Firing>,
+    scanner: Arc<Scanner>,
+    bus: Arc<Bus>,
     kind: Fires,
+    window: Window,
 ) -> Result<BatchOutcome, ScanError> {
     let (store, stop, lease) = (&shared.store, &shared.stop, || shared.lease());
     match kind {
         Fires::Expectations => {
             scanner
-                .run_batch::<Expectations>(store, bus, lease, stop)
+                .run_batch::<Expectations>(store, &bus, lease, stop, window)
                 .await
         }
-        Fires::Delayed => scanner.run_batch::<Delayed>(store, bus, lease, stop).await,
-    }
-}
-
-/// Run rounds of `scan.concurrency` batches at once (SKIP LOCKED gives each its own
-/// rows, and one batch publishes while another awaits its confirms) until every kind's
-/// batch comes back short, the lease is lost, or we are stopping; returns how many rows
-/// were locked. The slots of a round go to the kinds in turn, and a kind with a full
-/// batch keeps its turn while the other is drained, so neither kind's backlog can starve
-/// the other. A batch already started is never interrupted: it commits or rolls back as
-/// a whole.
-async fn drain(
-    shared: &Firing,
-    scanner: &Scanner,
-    bus: &Bus,
-    summary: &mut Summary,
-) -> Result<usize, ScanError> {
-    let parallel = shared.settings.scan.concurrency as usize;
-    let mut kinds = kinds(&shared.settings);
-    let mut locked = 0;
-    let mut turn = 0;
-    loop {
-        settle_leftovers(scanner, &shared.store).await;
-        let slots: Vec<Fires> = (0..parallel)
-            .map(|i| kinds[(turn + i) % kinds.len()])
-            .collect();
-        turn += 1;
-        let round = slots.iter().map(|k| batch(shared, scanner, bus, *k));
-        let mut full = Vec::new();
-        let mut lost = false;
-        for (kind, outcome) in slots
-            .iter()
-            .zip(futures_util::future::join_all(round).await)
-        {
-            let outcome = outcome?;
-            record(shared, &outcome, summary);
-            locked += outcome.locked;
-            if outcome.locked >= scanner.batch_size as usize && !full.contains(kind) {
-                full.push(*kind);
-            }
-            lost |= outcome.lease_lost;
-        }
-        kinds.retain(|k| full.contains(k));
-        if kinds.is_empty() || lost || shared.stop.is_cancelled() {
-            return Ok(locked);
+        Fires::Delayed => {
+            scanner
+                .run_batch::<Delayed>(store, &bus, lease, stop, window)
+                .await
         }
     }
 }
 
 fn record(shared: &Firing, outcome: &BatchOutcome, summary: &mut Summary) {
     shared.probe.update(|s| s.database_ok = Some(true));
-    if outcome.lease_lost {
+    if outcome.lease_lost && outcome.fired + outcome.failed == 0 {
         tracing::warn!(locked = outcome.locked, "lease lost: batch rolled back");
         return;
+    }
+    if outcome.lease_lost {
+        tracing::warn!(
+            untouched = outcome.untouched,
+            "lease lost while rows were held: the rest left unsent"
+        );
     }
     if outcome.locked == 0 {
         return;
@@ -318,6 +469,9 @@ fn record(shared: &Firing, outcome: &BatchOutcome, summary: &mut Summary) {
         None => shared.health.pass(Check::Publish),
     }
     let metrics = &shared.probe.metrics;
+    for (step, took) in &outcome.steps {
+        metrics.step(outcome.kind, step.name(), *took);
+    }
     metrics.parked(outcome.parked);
     metrics.scanned(outcome.kind, outcome.duration, &outcome.lateness);
     outcome

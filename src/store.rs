@@ -11,6 +11,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgSslMode};
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
@@ -95,16 +96,54 @@ impl Table {
         )
     }
 
-    /// Which rows are due: `deadline <= now()` is implied by the due expression; it is
-    /// spelled out so that no change to the bookkeeping can ever make a row fire before
-    /// its deadline.
-    fn due(&self) -> String {
+    /// Which rows a batch may lock: due within the horizon (`$4` seconds) and, for a
+    /// batch that serves only fresh rows, due no earlier than `$5` seconds ago (NULL: no
+    /// lower bound). `deadline <= …` is implied by the due expression; it is spelled out
+    /// so that no change to the bookkeeping can ever hold a row for sending before its
+    /// deadline. The rows' own due times (`due_at` below) decide when each is sent.
+    fn window(&self) -> String {
+        let due_at = self.due_at();
         format!(
-            "{} <= now() AND m.{} <= now()",
-            self.due_at(),
+            "{due_at} <= now() + make_interval(secs => $4) \
+             AND m.{} <= now() + make_interval(secs => $4) \
+             AND {due_at} >= coalesce(now() - make_interval(secs => $5), '-infinity')",
             self.deadline
         )
     }
+
+    /// The instant a row may be sent (its deadline, or a later retry time), clamped as
+    /// [`Table::deadline`] is, and the database clock when it was read: together they
+    /// tell the scan how long to hold the row. And the end of the window the statement
+    /// locked (every row due until then was taken, or held by another batch).
+    fn due_columns(&self) -> String {
+        format!(
+            "least(greatest({}, '0001-01-01T00:00:00Z'), '9999-12-31T23:59:59Z') AS due_at, \
+             clock_timestamp() AS fired_at, now() + make_interval(secs => $4) AS window_end",
+            self.due_at()
+        )
+    }
+}
+
+/// Which due rows a batch locks: those due within `horizon` from now (zero: only rows
+/// due already), and with `fresh`, only rows that came due at most that long ago (the
+/// share of batches kept for rows coming due while a backlog drains).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub horizon: Duration,
+    pub fresh: Option<Duration>,
+}
+
+/// When the next rows of one table are due, from [`Store::probe`]: seconds from the
+/// database's `now()` (negative: overdue; minus infinity for a row due at
+/// '-infinity'), `None` when no such row is pending.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Probe {
+    /// The earliest due row, locked by someone or not.
+    pub earliest: Option<f64>,
+    /// The earliest row due after the instant the caller asked about.
+    pub beyond: Option<f64>,
+    /// The database clock when it was read.
+    pub now: DateTime<Utc>,
 }
 
 #[derive(Debug, Clone)]
@@ -165,11 +204,15 @@ impl Store {
     }
 
     /// Create the schema and apply the embedded migrations. The migrator holds an
-    /// advisory lock, so replicas starting together apply them once.
+    /// advisory lock, so replicas starting together apply them once; migrations this
+    /// version does not know (applied by a newer one) are left alone.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut migrator = sqlx::migrate!();
         migrator.create_schema(self.schema.clone());
         migrator.dangerous_set_table_name(format!("{}._sqlx_migrations", self.schema));
+        // A node of this version must still start after a newer one migrated the schema
+        // (a rolling upgrade, or a rollback): migrations only ever add.
+        migrator.set_ignore_missing(true);
         migrator.run(&self.pool).await?;
         Ok(())
     }
@@ -184,20 +227,29 @@ impl Store {
         Ok(self.pool.begin_with(begin).await?)
     }
 
-    /// Time until the earliest deadline of any table by the database's clock (negative
-    /// when rows are due, e.g. locked by another scan); `None` when nothing is pending.
-    /// An infinite deadline reads as `None` too.
-    pub async fn next_due_in(&self) -> Result<Option<f64>, StoreError> {
-        let mut earliest: Option<f64> = None;
-        for writes in &self.sql.writes {
-            let secs: Option<Option<f64>> = sqlx::query_scalar(safe(&writes.next_due))
-                .fetch_optional(&self.pool)
+    /// When the next rows of `table` are due: the earliest of all, and the earliest due
+    /// after `after` (a database instant; `None`: no bound) and no longer ago than
+    /// `fresh`. A due time of 'infinity' (a held row) reads as `None`. Two probes of the
+    /// due index, one round trip.
+    pub async fn probe(
+        &self,
+        table: Table,
+        after: Option<DateTime<Utc>>,
+        fresh: Duration,
+    ) -> Result<Probe, StoreError> {
+        let row: (Option<f64>, Option<f64>, DateTime<Utc>) =
+            sqlx::query_as(safe(&self.writes(table)?.probe))
+                .bind(after)
+                .bind(fresh.as_secs_f64())
+                .fetch_one(&self.pool)
                 .await?;
-            if let Some(s) = secs.flatten().filter(|s| s.is_finite()) {
-                earliest = Some(earliest.map_or(s, |e| e.min(s)));
-            }
-        }
-        Ok(earliest)
+        // '-infinity' is as overdue as can be; 'infinity' (a held row) is never due.
+        let due = |s: Option<f64>| s.filter(|s| !s.is_nan() && *s != f64::INFINITY);
+        Ok(Probe {
+            earliest: due(row.0),
+            beyond: due(row.1),
+            now: row.2,
+        })
     }
 
     /// Counts of one table for operators; `overdue` means due for longer than `late`.
@@ -263,13 +315,15 @@ pub(crate) async fn bounded<T>(
 }
 
 /// Run a due-row statement of any table (binds: `$1` limit, `$2` largest content to
-/// fetch with the row, in bytes, `$3` ids to skip).
+/// fetch with the row, in bytes, `$3` ids to skip, `$4` horizon and `$5` freshness in
+/// seconds, see [`Table::window`]).
 async fn lock_rows<R>(
     sql: &Arc<str>,
     tx: &mut sqlx::PgConnection,
     limit: u32,
     inline: usize,
     skip: &[uuid::Uuid],
+    window: Window,
 ) -> Result<Vec<R>, StoreError>
 where
     R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
@@ -278,6 +332,8 @@ where
         .bind(i64::from(limit))
         .bind(i64::try_from(inline).unwrap_or(i64::MAX))
         .bind(skip)
+        .bind(window.horizon.as_secs_f64())
+        .bind(window.fresh.map(|f| f.as_secs_f64()))
         .fetch_all(tx)
         .await?)
 }

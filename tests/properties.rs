@@ -76,6 +76,7 @@ proptest! {
         let row = DueRow {
             id, process_id: process_id.clone(), message_type: message_type.clone(),
             timeout_at, exchange: exchange.clone(), routing_key: routing_key.clone(), attempts, fired_at,
+            due_at: timeout_at, window_end: fired_at,
             payload: payload.as_ref().map(|p| p.to_string()), payload_bytes: None,
         };
         let too_long = [&process_id, &exchange, &routing_key].iter().any(|s| s.len() > 255);

@@ -153,7 +153,8 @@ impl BusError {
 }
 
 impl Budget {
-    fn may_send(&self) -> bool {
+    /// Time is left to send, and we are not stopping.
+    pub fn may_send(&self) -> bool {
         Instant::now() < self.send_until && !self.stop.is_cancelled()
     }
 }
@@ -164,6 +165,8 @@ impl Budget {
 pub struct Published {
     pub fates: Vec<Fate>,
     pub trouble: Option<BusError>,
+    /// When the last message was handed to the broker (`None`: none was).
+    pub sent: Option<Instant>,
 }
 
 /// A pilot's outcome.
@@ -194,6 +197,8 @@ struct Decided {
     fates: Vec<(usize, Fate)>,
     promoted: Vec<usize>,
     trouble: Option<BusError>,
+    /// When the job handed its last message to the broker.
+    sent: Option<Instant>,
 }
 
 impl Bus {
@@ -210,6 +215,7 @@ impl Bus {
             .collect();
         let batch = &batch[..];
         let mut trouble = None;
+        let mut sent = None;
         let mut jobs = self.plan(batch, &fates);
         while !jobs.is_empty() {
             let done: Vec<Decided> = futures_util::stream::iter(jobs)
@@ -224,6 +230,7 @@ impl Bus {
                     jobs.push(Job::Shared(d.promoted));
                 }
                 trouble = trouble.or(d.trouble);
+                sent = sent.max(d.sent);
             }
         }
         Published {
@@ -232,6 +239,7 @@ impl Bus {
                 .map(|f| f.unwrap_or(Fate::Unsent))
                 .collect(),
             trouble,
+            sent,
         }
     }
 
@@ -297,7 +305,7 @@ impl Bus {
                 d.fates.push((i, Fate::Unsent));
                 continue;
             }
-            match self.publish_alone(&batch[i], budget).await {
+            match self.publish_alone(&batch[i], budget, &mut d.sent).await {
                 Alone::Delivered(fate) => {
                     self.trust(batch[i].exchange);
                     d.fates.push((i, fate));
@@ -339,7 +347,14 @@ impl Bus {
         d
     }
 
-    async fn publish_alone(&self, m: &Outgoing<'_>, budget: &Budget) -> Alone {
+    /// Send one message on a channel of its own and await its confirm; `sent` learns
+    /// when it was handed to the broker.
+    async fn publish_alone(
+        &self,
+        m: &Outgoing<'_>,
+        budget: &Budget,
+        sent: &mut Option<Instant>,
+    ) -> Alone {
         let channel = match self.channel_within(budget).await {
             Ok(c) => c,
             Err(e) => return Alone::NoChannel(e),
@@ -350,7 +365,10 @@ impl Bus {
             return Alone::NotSent;
         }
         let answer = match self.send(&channel, m, budget).await {
-            Ok(confirm) => self.await_confirm(confirm, budget).await,
+            Ok(confirm) => {
+                *sent = Some(Instant::now());
+                self.await_confirm(confirm, budget).await
+            }
             Err(e) => Err(e),
         };
         match answer {
@@ -414,6 +432,9 @@ impl Bus {
                 // Refused locally (the channel is already closed): never left the process.
                 Err(Waited::Closed(_)) => d.fates.push((i, Fate::Unsent)),
             }
+        }
+        if !sent.is_empty() {
+            d.sent = Some(Instant::now());
         }
         let mut waited = join_all(
             sent.into_iter()

@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::store::{DELAYED, DelayedRow, DueRow, EXPECTATIONS, Store, StoreError, Table};
+use crate::store::{DELAYED, DelayedRow, DueRow, EXPECTATIONS, Store, StoreError, Table, Window};
 use crate::wire::{self, Invalid, Message};
 
 /// A kind of due row: where it is stored, how it is read, what it becomes on the wire.
@@ -19,14 +19,16 @@ pub trait Kind: Send + Sync {
     /// Where its rows live (the writes of [`Store::settle`] take it).
     const TABLE: Table;
 
-    /// Lock up to `limit` due rows, oldest first, skipping rows locked elsewhere and
-    /// `skip`; contents over `inline` bytes are left in the database ([`Due::withheld`]).
+    /// Lock up to `limit` rows due within `window`, oldest first, skipping rows locked
+    /// elsewhere and `skip`; contents over `inline` bytes are left in the database
+    /// ([`Due::withheld`]).
     fn lock_due(
         store: &Store,
         tx: &mut PgConnection,
         limit: u32,
         inline: usize,
         skip: &[Uuid],
+        window: Window,
     ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send;
 
     /// Read what `lock_due` left in the database into `row`.
@@ -45,8 +47,15 @@ pub trait Due: Send + Sync {
     fn id(&self) -> Uuid;
     /// The deadline it fired for (a row moved since then is not deleted for it).
     fn deadline(&self) -> DateTime<Utc>;
-    /// Database clock when the row was locked: never before the deadline.
+    /// When it may be sent (the deadline, or a later retry time), by the database clock.
+    fn due_at(&self) -> DateTime<Utc>;
+    /// Database clock when the row was locked; once sent, when it was sent (never before
+    /// `due_at`).
     fn fired_at(&self) -> DateTime<Utc>;
+    /// Record when it is sent (its message says so).
+    fn set_fired_at(&mut self, at: DateTime<Utc>);
+    /// The end of the window of due times the lock statement covered.
+    fn window_end(&self) -> DateTime<Utc>;
     fn attempts(&self) -> i32;
     /// Size of the content left in the database because it was large, if it was.
     fn withheld(&self) -> Option<usize>;
@@ -69,8 +78,9 @@ impl Kind for Expectations {
         limit: u32,
         inline: usize,
         skip: &[Uuid],
+        window: Window,
     ) -> Result<Vec<DueRow>, StoreError> {
-        store.lock_due(tx, limit, inline, skip).await
+        store.lock_due(tx, limit, inline, skip, window).await
     }
 
     async fn fetch_withheld(
@@ -96,8 +106,20 @@ impl Due for DueRow {
         self.timeout_at
     }
 
+    fn due_at(&self) -> DateTime<Utc> {
+        self.due_at
+    }
+
     fn fired_at(&self) -> DateTime<Utc> {
         self.fired_at
+    }
+
+    fn set_fired_at(&mut self, at: DateTime<Utc>) {
+        self.fired_at = at;
+    }
+
+    fn window_end(&self) -> DateTime<Utc> {
+        self.window_end
     }
 
     fn attempts(&self) -> i32 {
@@ -128,8 +150,11 @@ impl Kind for Delayed {
         limit: u32,
         inline: usize,
         skip: &[Uuid],
+        window: Window,
     ) -> Result<Vec<DelayedRow>, StoreError> {
-        store.lock_due_delayed(tx, limit, inline, skip).await
+        store
+            .lock_due_delayed(tx, limit, inline, skip, window)
+            .await
     }
 
     async fn fetch_withheld(
@@ -155,8 +180,20 @@ impl Due for DelayedRow {
         self.deliver_at
     }
 
+    fn due_at(&self) -> DateTime<Utc> {
+        self.due_at
+    }
+
     fn fired_at(&self) -> DateTime<Utc> {
         self.fired_at
+    }
+
+    fn set_fired_at(&mut self, at: DateTime<Utc>) {
+        self.fired_at = at;
+    }
+
+    fn window_end(&self) -> DateTime<Utc> {
+        self.window_end
     }
 
     fn attempts(&self) -> i32 {

@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use serde::Serialize;
 
-use super::{DELAYED, PendingFilter, Store, StoreError, lock_rows, safe};
+use super::{DELAYED, PendingFilter, Store, StoreError, Window, lock_rows, safe};
 
 /// One due delayed message, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -27,8 +27,13 @@ pub struct DelayedRow {
     pub body_bytes: i32,
     pub attempts: i32,
     pub created_at: DateTime<Utc>,
-    /// Database clock when the row was read: never before `deliver_at`.
+    /// When it may be sent: `deliver_at`, or a later retry time.
+    pub due_at: DateTime<Utc>,
+    /// Database clock when the row was read, then (see `fire`) when it was sent: never
+    /// before `due_at`.
     pub fired_at: DateTime<Utc>,
+    /// The end of the window of due times its batch locked.
+    pub window_end: DateTime<Utc>,
 }
 
 impl DelayedRow {
@@ -126,7 +131,12 @@ pub(super) struct Statements {
 impl Statements {
     pub(super) fn new(schema: &str) -> Self {
         let t = format!("{schema}.{}", DELAYED.name);
-        let (deadline, due, due_at) = (DELAYED.deadline(), DELAYED.due(), DELAYED.due_at());
+        let (deadline, window, due_at, due) = (
+            DELAYED.deadline(),
+            DELAYED.window(),
+            DELAYED.due_at(),
+            DELAYED.due_columns(),
+        );
         let cols = format!(
             "m.id, m.message_id, {deadline} AS deliver_at, m.exchange, m.routing_key, \
              octet_length(m.body) AS body_bytes, m.attempts, m.last_error, \
@@ -155,9 +165,8 @@ impl Statements {
                 "SELECT m.id, m.message_id, {deadline} AS deliver_at, m.exchange, \
                  m.routing_key, m.properties::text AS properties, \
                  CASE WHEN octet_length(m.body) <= $2 THEN m.body END AS body, \
-                 octet_length(m.body) AS body_bytes, m.attempts, m.created_at, \
-                 clock_timestamp() AS fired_at FROM {t} AS m \
-                 WHERE {due} AND m.id <> ALL($3) \
+                 octet_length(m.body) AS body_bytes, m.attempts, m.created_at, {due} \
+                 FROM {t} AS m WHERE {window} AND m.id <> ALL($3) \
                  ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
             )
             .into(),
@@ -285,8 +294,9 @@ impl Store {
         limit: u32,
         inline: usize,
         skip: &[Uuid],
+        window: Window,
     ) -> Result<Vec<DelayedRow>, StoreError> {
-        lock_rows(&self.sql.delayed.lock_due, tx, limit, inline, skip).await
+        lock_rows(&self.sql.delayed.lock_due, tx, limit, inline, skip, window).await
     }
 
     /// The body of one (locked) row that `lock_due_delayed` left behind.

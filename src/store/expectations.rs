@@ -9,7 +9,7 @@ use serde::Serialize;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{EXPECTATIONS, PendingCounts, Store, StoreError, lock_rows, safe};
+use super::{EXPECTATIONS, PendingCounts, Store, StoreError, Window, lock_rows, safe};
 
 /// One due row, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -27,8 +27,13 @@ pub struct DueRow {
     pub payload: Option<String>,
     pub payload_bytes: Option<i32>,
     pub attempts: i32,
-    /// Database clock when the row was read: never before `timeout_at`.
+    /// When it may be sent: `timeout_at`, or a later retry time.
+    pub due_at: DateTime<Utc>,
+    /// Database clock when the row was read, then (see `fire`) when it was sent: never
+    /// before `due_at`.
     pub fired_at: DateTime<Utc>,
+    /// The end of the window of due times its batch locked.
+    pub window_end: DateTime<Utc>,
 }
 
 impl DueRow {
@@ -64,24 +69,24 @@ pub enum PendingFilter {
     Failing,
 }
 
-/// The statement that finds and locks due rows, for `table` (bound: `$1` limit, `$2`
-/// largest payload to fetch with the row, in bytes, `$3` ids to skip). The benchmark
-/// runs it too.
+/// The statement that finds and locks due rows, for `table` (binds: see `lock_rows`).
+/// The benchmark runs it too.
 pub fn lock_due_sql(table: &str) -> String {
     // The payload is rendered once per row (OFFSET 0 keeps the subquery from being
     // inlined into each use) and left behind when it is large (see `Store::payload`), so
     // that a batch of large payloads cannot take batch_size × max_message_size of memory.
-    let (deadline, due, due_at) = (
+    let (deadline, window, due_at, due) = (
         EXPECTATIONS.deadline(),
-        EXPECTATIONS.due(),
+        EXPECTATIONS.window(),
         EXPECTATIONS.due_at(),
+        EXPECTATIONS.due_columns(),
     );
     format!(
         "SELECT m.id, m.process_id, m.message_type, {deadline} AS timeout_at, m.exchange, \
          m.routing_key, CASE WHEN octet_length(p.text) <= $2 THEN p.text END AS payload, \
-         octet_length(p.text) AS payload_bytes, m.attempts, clock_timestamp() AS fired_at \
+         octet_length(p.text) AS payload_bytes, m.attempts, {due} \
          FROM {table} AS m, LATERAL (SELECT m.payload::text OFFSET 0) AS p(text) \
-         WHERE {due} AND m.id <> ALL($3) ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
+         WHERE {window} AND m.id <> ALL($3) ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
     )
 }
 
@@ -119,16 +124,26 @@ impl Statements {
 }
 
 impl Store {
-    /// Lock up to `limit` due rows, oldest due first, skipping rows another scan holds and
-    /// the ids in `skip`. Payloads over `inline` bytes are left in the database.
+    /// Lock up to `limit` rows due within `window`, oldest due first, skipping rows another
+    /// scan holds and the ids in `skip`. Payloads over `inline` bytes are left in the
+    /// database.
     pub async fn lock_due(
         &self,
         tx: &mut PgConnection,
         limit: u32,
         inline: usize,
         skip: &[Uuid],
+        window: Window,
     ) -> Result<Vec<DueRow>, StoreError> {
-        lock_rows(&self.sql.expectations.lock_due, tx, limit, inline, skip).await
+        lock_rows(
+            &self.sql.expectations.lock_due,
+            tx,
+            limit,
+            inline,
+            skip,
+            window,
+        )
+        .await
     }
 
     /// The payload of one (locked) row as text, for payloads `lock_due` left behind.

@@ -62,7 +62,7 @@ const NEXT_ATTEMPT: &str = "CASE WHEN m.attempts < 2147483647 THEN m.attempts + 
 #[derive(Debug, Clone)]
 pub(super) struct Writes {
     pub(super) table: Table,
-    pub(super) next_due: Arc<str>,
+    pub(super) probe: Arc<str>,
     pub(super) counts: Arc<str>,
     delete: Arc<str>,
     delete_fired: Arc<str>,
@@ -74,12 +74,20 @@ impl Writes {
     pub(super) fn new(schema: &str, table: Table) -> Self {
         let t = format!("{schema}.{}", table.name);
         let (deadline, due_at) = (table.deadline(), table.due_at());
+        // Epochs, not a difference of timestamps: '-infinity' - now() is an error before
+        // Postgres 17, its epoch is minus infinity.
+        let secs = format!("(extract(epoch FROM {due_at}) - extract(epoch FROM now()))::float8");
         Self {
             table,
-            // Seconds from now (database clock) to the earliest deadline: one index probe.
-            next_due: format!(
-                "SELECT extract(epoch FROM ({due_at} - now()))::float8 FROM {t} AS m \
-                 ORDER BY {due_at} LIMIT 1"
+            // Seconds from now (database clock) to the earliest due row, and to the
+            // earliest due after $1 and at most $2 seconds ago: each one probe of the
+            // due index.
+            probe: format!(
+                "SELECT (SELECT {secs} FROM {t} AS m ORDER BY {due_at} LIMIT 1), \
+                 (SELECT {secs} FROM {t} AS m \
+                 WHERE {due_at} > greatest(coalesce($1::timestamptz, '-infinity'), \
+                 now() - make_interval(secs => $2)) \
+                 ORDER BY {due_at} LIMIT 1), clock_timestamp()"
             )
             .into(),
             counts: format!(
@@ -97,7 +105,7 @@ impl Writes {
             .into(),
             fail: format!(
                 "UPDATE {t} AS m SET attempts = {NEXT_ATTEMPT}, last_error = f.error, \
-                 retry_at = now() + make_interval(secs => f.delay) \
+                 retry_at = clock_timestamp() + make_interval(secs => f.delay) \
                  FROM unnest($1::uuid[], $2::text[], $3::float8[]) AS f(id, error, delay) \
                  WHERE m.id = f.id"
             )

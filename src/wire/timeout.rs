@@ -94,7 +94,9 @@ mod tests {
             payload: Some(r#"{"big": 1e400, "deep": [[[1]]]}"#.into()),
             payload_bytes: None,
             attempts: 0,
+            due_at: at,
             fired_at: at,
+            window_end: at,
         };
         let m = timeout(&row, Uuid::nil()).expect("a TimeOut");
         let t = timeoutd_client::TimeOut::from_body(&m.body).expect("decodes");

@@ -39,7 +39,7 @@ use sqlx::AssertSqlSafe;
 use timeoutd::store::{PendingFilter, Store};
 use uuid::Uuid;
 
-use crate::common::{World, amqp, wait_for, wait_for_async};
+use crate::common::{World, amqp, wait_for_async};
 
 /// A small limit so that "too large" rows are cheap to make; above the 64 KiB a row
 /// carries inline, so that large payloads take the daemon's one-by-one path.
@@ -714,15 +714,40 @@ async fn run_case(seed: u64, rows: usize, durable: bool, faulty: bool) {
         })
         .map(|r| r.id.to_string())
         .collect();
-    wait_for(
-        Duration::from_secs(60),
-        "every deliverable row received",
-        || {
-            let got = consumer.counts();
-            expected.iter().all(|id| got.contains_key(id))
-        },
-    )
-    .await;
+    let limit = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let got = consumer.counts();
+        let missing: Vec<&String> = expected
+            .iter()
+            .filter(|id| !got.contains_key(*id))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        if tokio::time::Instant::now() >= limit {
+            let left = leftovers(&case.world).await;
+            let detail: Vec<String> = case
+                .rows
+                .iter()
+                .filter(|r| missing.contains(&&r.id.to_string()))
+                .take(10)
+                .map(|r| {
+                    format!(
+                        "{:?} {:?} due {:?}: {:?}",
+                        r.kind,
+                        r.id,
+                        r.deadline,
+                        left.get(&r.id)
+                    )
+                })
+                .collect();
+            panic!(
+                "{} deliverable rows never received, e.g. {detail:#?}",
+                missing.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let undeliverable = case.rows.iter().filter(|r| r.kind.undeliverable()).count() as i64;
     wait_for_async(
         Duration::from_secs(30),
@@ -796,6 +821,10 @@ fn knob(name: &str, default: u64) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_mixes_of_hostile_rows_keep_every_promise() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
     let cases = knob("ADVERSARIAL_CASES", 3);
     let rows = knob("ADVERSARIAL_ROWS", 300) as usize;
     let first = knob("ADVERSARIAL_SEED", 0x5eed);

@@ -86,7 +86,9 @@ pub(crate) fn baseline_messages(
                 payload: Some(serde_json::json!({ "i": i }).to_string()),
                 payload_bytes: None,
                 attempts: 0,
+                due_at: now,
                 fired_at: now,
+                window_end: now,
             };
             let message = timeout_message(&row, node).map_err(|e| anyhow!("{e}"))?;
             Ok((row.id, message))

@@ -78,7 +78,8 @@ pub(crate) async fn fill_not_due(env: &Env, table: &str, rows: u64) -> Result<()
 }
 
 /// The daemon's own due-row statement (`store::lock_due_sql`), run with its binds: a
-/// batch of `WINDOW`, payloads up to 16 MiB, nothing skipped.
+/// batch of `WINDOW`, payloads up to 16 MiB, nothing skipped, the on-time lane's window
+/// (100 ms ahead, at most 1 s overdue).
 pub(crate) fn lock_due(
     sql: &str,
 ) -> sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments> {
@@ -86,6 +87,8 @@ pub(crate) fn lock_due(
         .bind(WINDOW as i64)
         .bind(16i64 << 20)
         .bind(Vec::<Uuid>::new())
+        .bind(0.1f64)
+        .bind(Some(1.0f64))
 }
 
 /// Timed runs, round-robin over the tables: one list of milliseconds per table.

@@ -155,7 +155,9 @@ fn delivery_restores_the_message_and_says_how_long_it_was_held() {
         body_bytes: 4,
         attempts: 0,
         created_at,
+        due_at: created_at,
         fired_at: created_at + chrono::Duration::milliseconds(1500),
+        window_end: created_at,
     };
     let node = Uuid::new_v4();
     let m = delivery(&row, node).expect("valid");

@@ -1,0 +1,328 @@
+//! Which batch to start, and when: a pure state machine (no clock, no I/O, like the
+//! election). The scan loop feeds in what it learns — probes of the due index, finished
+//! batches, notifications of new due times — with the current instant, then starts the
+//! batches [`Pacer::starts`] names and sleeps until [`Pacer::wake_at`].
+//!
+//! Each kind of due row has two lanes:
+//! - **on time**: a batch locks the rows due from `fresh` ago to `horizon` ahead, and
+//!   sends each at its due time. The next such batch starts `lead` before the first row
+//!   due after the window the last one covered, so rows are held a little ahead of their
+//!   time and sent on the dot. A new row inside a covered window (a notification) starts
+//!   a batch at once: the one holding the window skipped it.
+//! - **backlog**: rows overdue by more than `fresh` (after an outage, or a burst larger
+//!   than the on-time lane drains in time), locked oldest first, batch after batch while
+//!   batches come back full.
+//!
+//! Batches in flight never exceed `concurrency`; the backlog of all kinds together takes
+//! at most `concurrency - fresh_slots` of them, so rows coming due now are not late by
+//! the whole drain (with `fresh_slots = 0` the on-time lane waits for the backlog:
+//! strictly oldest first). Backlog slots go to the kinds in turn, so one kind's backlog
+//! never starves another's. A kind is probed every `tick` besides, in case a
+//! notification was lost.
+
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+
+use crate::fire::DbClock;
+use crate::store::{Probe, Window};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lane {
+    OnTime,
+    Backlog,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Config {
+    pub(crate) horizon: Duration,
+    /// How long before its first row's due time an on-time batch starts.
+    pub(crate) lead: Duration,
+    /// Rows overdue by more than this are backlog.
+    pub(crate) fresh: Duration,
+    pub(crate) concurrency: usize,
+    pub(crate) fresh_slots: usize,
+    pub(crate) tick: Duration,
+}
+
+impl Config {
+    /// The on-time lane's lead: enough to lock a window before it opens, a small part of
+    /// the horizon so that windows overlap little (zero without a horizon: rows are then
+    /// locked when due).
+    pub(crate) fn lead_for(horizon: Duration) -> Duration {
+        (horizon / 4).min(Duration::from_millis(25))
+    }
+
+    /// What a batch of `lane` locks.
+    pub(crate) fn window(&self, lane: Lane) -> Window {
+        match lane {
+            Lane::OnTime => Window {
+                horizon: self.horizon,
+                fresh: Some(self.fresh),
+            },
+            Lane::Backlog => Window {
+                horizon: Duration::ZERO,
+                fresh: None,
+            },
+        }
+    }
+}
+
+/// What a finished batch tells the pacer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Finished {
+    pub(crate) locked: usize,
+    /// It locked a full batch: more rows may wait.
+    pub(crate) full: bool,
+    /// Rows it locked but left unsent (stop, lease, budget, unknown fate): they are due
+    /// and unlocked again.
+    pub(crate) untouched: usize,
+    pub(crate) clock: Option<DbClock>,
+    pub(crate) last_due: Option<DateTime<Utc>>,
+    /// Up to when it locked every row due (if it locked any).
+    pub(crate) window_end: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct KindState {
+    /// When an on-time batch should start (`None`: no row known to be coming).
+    on_time_at: Option<Instant>,
+    /// Rows due up to this database instant are held by our on-time batches (or were
+    /// sent): the next on-time batch is for rows beyond it.
+    covered: Option<DateTime<Utc>>,
+    /// Rows overdue by more than `fresh` are waiting.
+    backlog: bool,
+    on_time_running: usize,
+    backlog_running: usize,
+    /// When to probe the due index next.
+    probe_at: Option<Instant>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Pacer {
+    config: Config,
+    kinds: Vec<KindState>,
+    /// The database clock as last read, to place notified due times on our clock.
+    clock: Option<DbClock>,
+    /// The kind whose backlog goes first next time.
+    turn: usize,
+}
+
+impl Pacer {
+    /// `kinds` kinds of due rows, each probed at `now`.
+    pub(crate) fn new(config: Config, kinds: usize, now: Instant) -> Self {
+        let state = KindState {
+            probe_at: Some(now),
+            ..KindState::default()
+        };
+        Self {
+            config,
+            kinds: vec![state; kinds],
+            clock: None,
+            turn: 0,
+        }
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The kinds to probe now, and the instant each probe's `after` should be (the end
+    /// of the covered window, if any).
+    pub(crate) fn probes_due(&self, now: Instant) -> Vec<(usize, Option<DateTime<Utc>>)> {
+        self.kinds
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| k.probe_at.is_some_and(|at| at <= now))
+            .map(|(i, k)| (i, k.covered))
+            .collect()
+    }
+
+    /// A probe of `kind` answered at `now` (its seconds count from about then).
+    pub(crate) fn probed(&mut self, kind: usize, now: Instant, probe: Probe) {
+        self.clock = Some(DbClock {
+            at: now,
+            db: probe.now,
+        });
+        let fresh = self.config.fresh.as_secs_f64();
+        let lead = self.config.lead;
+        let k = &mut self.kinds[kind];
+        k.probe_at = Some(now + self.config.tick);
+        k.backlog |= probe.earliest.is_some_and(|s| s < -fresh);
+        // The first row beyond what we hold; an overdue one is the backlog's. A start
+        // asked for meanwhile (a notification) stands.
+        let next = probe
+            .beyond
+            .filter(|s| *s >= -fresh)
+            .map(|s| offset(now, s).checked_sub(lead).unwrap_or(now).max(now));
+        k.on_time_at = match (k.on_time_at, next) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+
+    /// A probe of `kind` failed: try again in a tick.
+    pub(crate) fn probe_failed(&mut self, kind: usize, now: Instant) {
+        self.kinds[kind].probe_at = Some(now + self.config.tick);
+    }
+
+    /// The batches to start now (each then counts as running until [`Pacer::finished`]).
+    pub(crate) fn starts(&mut self, now: Instant) -> Vec<(usize, Lane)> {
+        let mut starts = Vec::new();
+        let mut free = self.config.concurrency.saturating_sub(self.running());
+        let mut on_time: Vec<usize> = (0..self.kinds.len())
+            .filter(|i| self.on_time_ready(*i, now))
+            .collect();
+        on_time.sort_by_key(|i| self.kinds[*i].on_time_at);
+        for kind in on_time {
+            if free == 0 {
+                return starts;
+            }
+            let k = &mut self.kinds[kind];
+            k.on_time_at = None;
+            k.on_time_running += 1;
+            free -= 1;
+            starts.push((kind, Lane::OnTime));
+        }
+        let cap = self.config.concurrency - self.config.fresh_slots;
+        while free > 0 && self.backlog_running() < cap {
+            let Some(kind) = self.next_backlog() else {
+                break;
+            };
+            self.kinds[kind].backlog_running += 1;
+            free -= 1;
+            starts.push((kind, Lane::Backlog));
+        }
+        starts
+    }
+
+    /// A batch of `kind` in `lane` ended at `now`.
+    pub(crate) fn finished(&mut self, kind: usize, lane: Lane, now: Instant, f: Finished) {
+        if let Some(clock) = f.clock {
+            self.clock = Some(clock);
+        }
+        let tick = self.config.tick;
+        let k = &mut self.kinds[kind];
+        match lane {
+            Lane::OnTime => {
+                k.on_time_running = k.on_time_running.saturating_sub(1);
+                if f.full {
+                    // More rows in this window: take the next part at once.
+                    k.covered = k.covered.max(f.last_due);
+                    k.on_time_at = Some(now);
+                } else {
+                    k.covered = k.covered.max(f.window_end);
+                    k.probe_at = Some(now);
+                }
+            }
+            Lane::Backlog => {
+                k.backlog_running = k.backlog_running.saturating_sub(1);
+                if !f.full {
+                    k.backlog = false;
+                    // Rows held by someone else (a second active node) are not ours to
+                    // spin on: look again in a tick.
+                    let again = if f.locked == 0 { now + tick } else { now };
+                    k.probe_at = Some(k.probe_at.map_or(again, |p| p.min(again)));
+                }
+            }
+        }
+        if f.untouched > 0 {
+            // Rows it held are due again and no notification will say so.
+            k.covered = None;
+            k.probe_at = Some(now);
+        }
+    }
+
+    /// A batch of `kind` failed (the database): forget what we held, probe after `delay`.
+    pub(crate) fn failed(&mut self, kind: usize, lane: Lane, now: Instant, delay: Duration) {
+        let k = &mut self.kinds[kind];
+        match lane {
+            Lane::OnTime => k.on_time_running = k.on_time_running.saturating_sub(1),
+            Lane::Backlog => k.backlog_running = k.backlog_running.saturating_sub(1),
+        }
+        k.covered = None;
+        k.on_time_at = None;
+        k.backlog = false;
+        k.probe_at = Some(now + delay);
+    }
+
+    /// A new or moved row of `kind` (every kind when `None`) is due at `due` (`None`:
+    /// unknown, e.g. notifications were lost: look now). Its batch starts `lead` before.
+    pub(crate) fn notified(
+        &mut self,
+        kind: Option<usize>,
+        due: Option<DateTime<Utc>>,
+        now: Instant,
+    ) {
+        let lead = self.config.lead;
+        let clock = self.clock;
+        for (i, k) in self.kinds.iter_mut().enumerate() {
+            if kind.is_some_and(|kind| kind != i) {
+                continue;
+            }
+            let at = match (due, clock) {
+                // Inside a window a batch already holds: it skipped this row.
+                (Some(due), _) if k.covered.is_some_and(|c| due <= c) => now,
+                (Some(due), Some(clock)) => {
+                    clock.local(due).checked_sub(lead).unwrap_or(now).max(now)
+                }
+                // Unknown (lost notifications), or no clock read yet: an on-time batch
+                // takes what is fresh, and its end asks for a probe.
+                _ => now,
+            };
+            k.on_time_at = Some(k.on_time_at.map_or(at, |t| t.min(at)));
+        }
+    }
+
+    /// When something is due next: an on-time batch or a probe. A start that waits for a
+    /// free slot is woken by the batch that frees it.
+    pub(crate) fn wake_at(&self, now: Instant) -> Instant {
+        let tick = now + self.config.tick;
+        self.kinds
+            .iter()
+            .flat_map(|k| [k.on_time_at, k.probe_at])
+            .flatten()
+            .filter(|at| *at > now)
+            .fold(tick, Instant::min)
+    }
+
+    /// Batches in flight.
+    pub(crate) fn running(&self) -> usize {
+        self.kinds
+            .iter()
+            .map(|k| k.on_time_running + k.backlog_running)
+            .sum()
+    }
+
+    fn backlog_running(&self) -> usize {
+        self.kinds.iter().map(|k| k.backlog_running).sum()
+    }
+
+    fn on_time_ready(&self, kind: usize, now: Instant) -> bool {
+        let k = &self.kinds[kind];
+        k.on_time_at.is_some_and(|at| at <= now) && (self.config.fresh_slots > 0 || !k.backlog)
+    }
+
+    /// The next kind with a backlog, in turn.
+    fn next_backlog(&mut self) -> Option<usize> {
+        let n = self.kinds.len();
+        let kind = (0..n)
+            .map(|i| (self.turn + i) % n)
+            .find(|i| self.kinds[*i].backlog)?;
+        self.turn = (kind + 1) % n;
+        Some(kind)
+    }
+}
+
+/// `now` moved by `secs` (negative: back), as far as an `Instant` can go.
+fn offset(now: Instant, secs: f64) -> Instant {
+    let d = Duration::try_from_secs_f64(secs.abs()).unwrap_or(Duration::MAX);
+    if secs >= 0.0 {
+        now.checked_add(d).unwrap_or(now)
+    } else {
+        now.checked_sub(d).unwrap_or(now)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,325 @@
+use super::*;
+use proptest::prelude::*;
+
+const MS: Duration = Duration::from_millis(1);
+
+fn config(concurrency: usize, fresh_slots: usize) -> Config {
+    Config {
+        horizon: 100 * MS,
+        lead: Config::lead_for(100 * MS),
+        fresh: Duration::from_secs(1),
+        concurrency,
+        fresh_slots,
+        tick: 250 * MS,
+    }
+}
+
+fn db(t0_db: DateTime<Utc>, ms: i64) -> DateTime<Utc> {
+    t0_db + chrono::Duration::milliseconds(ms)
+}
+
+fn t0() -> (Instant, DateTime<Utc>) {
+    (
+        Instant::now(),
+        "2026-11-22T10:00:00Z".parse().expect("time"),
+    )
+}
+
+fn probe(earliest: Option<f64>, beyond: Option<f64>) -> Probe {
+    Probe {
+        earliest,
+        beyond,
+        now: t0().1,
+    }
+}
+
+fn short(clock: DbClock, locked: usize, window_end: DateTime<Utc>) -> Finished {
+    Finished {
+        locked,
+        full: false,
+        untouched: 0,
+        clock: Some(clock),
+        last_due: None,
+        window_end: Some(window_end),
+    }
+}
+
+#[test]
+fn a_new_pacer_probes_every_kind_and_starts_nothing_blind() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(4, 1), 2, now);
+    assert_eq!(p.probes_due(now), vec![(0, None), (1, None)]);
+    assert!(p.starts(now).is_empty());
+}
+
+#[test]
+fn a_coming_row_is_locked_lead_before_its_due_time_not_earlier() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(4, 1), 1, now);
+    p.probed(0, now, probe(Some(1.0), Some(1.0)));
+    let start = now + Duration::from_secs(1) - p.config().lead;
+    assert_eq!(p.wake_at(now), now + 250 * MS, "the probe tick comes first");
+    assert!(p.starts(start - MS).is_empty());
+    assert_eq!(p.starts(start), vec![(0, Lane::OnTime)]);
+    assert_eq!(p.running(), 1);
+    let w = p.config().window(Lane::OnTime);
+    assert_eq!(
+        (w.horizon, w.fresh),
+        (100 * MS, Some(Duration::from_secs(1)))
+    );
+}
+
+#[test]
+fn a_short_window_covers_its_end_and_the_next_probe_looks_beyond_it() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), 1, now);
+    p.probed(0, now, probe(Some(0.0), Some(0.0)));
+    assert_eq!(p.starts(now), vec![(0, Lane::OnTime)]);
+    let clock = DbClock { at: now, db: at };
+    p.finished(0, Lane::OnTime, now + MS, short(clock, 80, db(at, 100)));
+    assert_eq!(p.running(), 0);
+    assert_eq!(p.probes_due(now + MS), vec![(0, Some(db(at, 100)))]);
+    // The next row beyond the window, due in 101 ms: its batch starts lead before.
+    p.probed(0, now + MS, probe(Some(0.05), Some(0.101)));
+    let start = now + MS + 101 * MS - p.config().lead;
+    assert_eq!(p.wake_at(now + 2 * MS), start);
+    assert!(p.starts(start - MS).is_empty());
+    assert_eq!(p.starts(start), vec![(0, Lane::OnTime)]);
+}
+
+#[test]
+fn a_full_window_is_followed_by_another_batch_at_once() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), 1, now);
+    p.probed(0, now, probe(Some(0.0), Some(0.0)));
+    p.starts(now);
+    let clock = DbClock { at: now, db: at };
+    let full = Finished {
+        full: true,
+        last_due: Some(db(at, 3)),
+        ..short(clock, 500, db(at, 100))
+    };
+    p.finished(0, Lane::OnTime, now + MS, full);
+    assert_eq!(p.starts(now + MS), vec![(0, Lane::OnTime)]);
+}
+
+#[test]
+fn a_row_notified_inside_a_held_window_is_fetched_at_once_others_at_their_time() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), 2, now);
+    p.probed(0, now, probe(None, None));
+    p.probed(1, now, probe(None, None));
+    p.on_time_window(0, now, at);
+    // Inside the window held for kind 0: at once.
+    p.notified(Some(0), Some(db(at, 50)), now + MS);
+    assert_eq!(p.starts(now + MS), vec![(0, Lane::OnTime)]);
+    // Kind 1 holds no window: a row due in 500 ms starts lead before it.
+    p.notified(Some(1), Some(db(at, 500)), now + MS);
+    let start = now + 500 * MS + 250 * Duration::from_micros(1) - p.config().lead;
+    assert!(p.starts(start - 2 * MS).is_empty());
+    assert_eq!(p.starts(start + MS), vec![(1, Lane::OnTime)]);
+}
+
+#[test]
+fn lost_notifications_make_every_kind_look_now() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(4, 1), 2, now);
+    p.probed(0, now, probe(None, None));
+    p.probed(1, now, probe(None, None));
+    p.notified(None, None, now + MS);
+    assert_eq!(
+        p.starts(now + MS),
+        vec![(0, Lane::OnTime), (1, Lane::OnTime)]
+    );
+}
+
+#[test]
+fn a_backlog_drains_beside_the_on_time_lane_within_its_share() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(4, 1), 1, now);
+    // An hour overdue, and rows due now as well.
+    p.probed(0, now, probe(Some(-3600.0), Some(0.0)));
+    let starts = p.starts(now);
+    assert_eq!(
+        starts,
+        vec![
+            (0, Lane::OnTime),
+            (0, Lane::Backlog),
+            (0, Lane::Backlog),
+            (0, Lane::Backlog)
+        ]
+    );
+    let w = p.config().window(Lane::Backlog);
+    assert_eq!((w.horizon, w.fresh), (Duration::ZERO, None));
+}
+
+#[test]
+fn the_backlog_never_takes_the_fresh_slots_even_when_they_are_idle() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(4, 2), 1, now);
+    p.probed(0, now, probe(Some(-3600.0), None));
+    assert_eq!(p.starts(now), vec![(0, Lane::Backlog), (0, Lane::Backlog)]);
+    assert!(p.starts(now).is_empty());
+}
+
+#[test]
+fn strictly_oldest_first_holds_fresh_rows_back_while_a_backlog_drains() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(2, 0), 1, now);
+    p.probed(0, now, probe(Some(-3600.0), Some(0.0)));
+    assert_eq!(p.starts(now), vec![(0, Lane::Backlog), (0, Lane::Backlog)]);
+    let done = Finished {
+        locked: 10,
+        full: false,
+        untouched: 0,
+        clock: None,
+        last_due: None,
+        window_end: None,
+    };
+    p.finished(0, Lane::Backlog, now + MS, done);
+    p.finished(0, Lane::Backlog, now + MS, done);
+    // Drained: the fresh rows go now.
+    assert_eq!(p.starts(now + MS), vec![(0, Lane::OnTime)]);
+}
+
+#[test]
+fn backlog_slots_go_to_the_kinds_in_turn() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(4, 1), 2, now);
+    p.probed(0, now, probe(Some(-60.0), None));
+    p.probed(1, now, probe(Some(-60.0), None));
+    let kinds: Vec<usize> = p.starts(now).into_iter().map(|(k, _)| k).collect();
+    assert_eq!(kinds, vec![0, 1, 0]);
+    let full = Finished {
+        locked: 500,
+        full: true,
+        untouched: 0,
+        clock: None,
+        last_due: None,
+        window_end: None,
+    };
+    p.finished(0, Lane::Backlog, now + MS, full);
+    assert_eq!(p.starts(now + MS), vec![(1, Lane::Backlog)]);
+}
+
+#[test]
+fn a_backlog_batch_that_locks_nothing_waits_a_tick_instead_of_spinning() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(2, 1), 1, now);
+    p.probed(0, now, probe(Some(-60.0), None));
+    assert_eq!(p.starts(now), vec![(0, Lane::Backlog)]);
+    let nothing = Finished {
+        locked: 0,
+        full: false,
+        untouched: 0,
+        clock: None,
+        last_due: None,
+        window_end: None,
+    };
+    p.finished(0, Lane::Backlog, now + MS, nothing);
+    assert!(p.probes_due(now + MS).is_empty());
+    assert_eq!(p.probes_due(now + MS + 250 * MS).len(), 1);
+    assert!(p.starts(now + 2 * MS).is_empty());
+}
+
+#[test]
+fn rows_left_unsent_are_due_again_so_the_window_is_forgotten() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), 1, now);
+    p.probed(0, now, probe(None, None));
+    p.on_time_window(0, now, at);
+    assert_eq!(p.probes_due(now), vec![(0, Some(db(at, 100)))]);
+    p.probed(0, now, probe(None, None));
+    p.notified(Some(0), Some(db(at, 10)), now);
+    p.starts(now);
+    let clock = DbClock { at: now, db: at };
+    let left = Finished {
+        untouched: 3,
+        ..short(clock, 5, db(at, 100))
+    };
+    p.finished(0, Lane::OnTime, now + MS, left);
+    assert_eq!(p.probes_due(now + MS), vec![(0, None)]);
+}
+
+#[test]
+fn a_failed_batch_forgets_its_kind_and_probes_after_the_backoff() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), 1, now);
+    p.probed(0, now, probe(Some(-60.0), Some(0.0)));
+    p.on_time_window(0, now, at);
+    p.failed(0, Lane::Backlog, now, Duration::from_secs(1));
+    assert_eq!(p.running(), 2, "the other backlog batches still run");
+    assert!(p.probes_due(now + 999 * MS).is_empty());
+    assert_eq!(p.probes_due(now + Duration::from_secs(1)), vec![(0, None)]);
+}
+
+impl Pacer {
+    /// Test helper: start an on-time batch of `kind` at `now` and finish it short, its
+    /// window ending 100 ms after `at` (database clock).
+    fn on_time_window(&mut self, kind: usize, now: Instant, at: DateTime<Utc>) {
+        self.kinds[kind].on_time_at = Some(now);
+        let started = self.starts(now);
+        assert!(started.contains(&(kind, Lane::OnTime)), "{started:?}");
+        let clock = DbClock { at: now, db: at };
+        self.finished(kind, Lane::OnTime, now, short(clock, 1, db(at, 100)));
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Event {
+    Probe(usize, f64, f64),
+    Finish(usize, bool, usize),
+    Fail(usize),
+    Notify(Option<usize>, i64),
+    Advance(u64),
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        (0..2usize, -100.0..5.0f64, -2.0..5.0f64).prop_map(|(k, e, b)| Event::Probe(k, e, b)),
+        (0..8usize, any::<bool>(), 0..3usize).prop_map(|(i, f, u)| Event::Finish(i, f, u)),
+        (0..8usize).prop_map(Event::Fail),
+        (proptest::option::of(0..2usize), -2000..2000i64).prop_map(|(k, ms)| Event::Notify(k, ms)),
+        (0..500u64).prop_map(Event::Advance),
+    ]
+}
+
+proptest! {
+    /// Whatever happens, batches in flight never exceed `concurrency`, the backlog never
+    /// takes the fresh slots, and the pacer never asks to wake in the past.
+    #[test]
+    fn slots_are_never_exceeded(
+        concurrency in 1..6usize,
+        fresh in 0..3usize,
+        events in proptest::collection::vec(event(), 1..200),
+    ) {
+        let fresh_slots = fresh.min(concurrency - 1);
+        let (mut now, at) = t0();
+        let mut p = Pacer::new(config(concurrency, fresh_slots), 2, now);
+        let mut running: Vec<(usize, Lane)> = Vec::new();
+        for e in events {
+            match e {
+                Event::Probe(k, earliest, beyond) => p.probed(k, now, probe(Some(earliest), Some(beyond))),
+                Event::Finish(i, full, untouched) if !running.is_empty() => {
+                    let (k, lane) = running.remove(i % running.len());
+                    let clock = DbClock { at: now, db: at };
+                    let f = Finished { full, untouched, ..short(clock, 10, db(at, 100)) };
+                    p.finished(k, lane, now, f);
+                }
+                Event::Fail(i) if !running.is_empty() => {
+                    let (k, lane) = running.remove(i % running.len());
+                    p.failed(k, lane, now, 100 * MS);
+                }
+                Event::Notify(k, ms) => p.notified(k, Some(db(at, ms)), now),
+                Event::Advance(ms) => now += Duration::from_millis(ms),
+                _ => {}
+            }
+            running.extend(p.starts(now));
+            prop_assert_eq!(p.running(), running.len());
+            prop_assert!(running.len() <= concurrency);
+            let backlog = running.iter().filter(|(_, l)| *l == Lane::Backlog).count();
+            prop_assert!(backlog <= concurrency - fresh_slots);
+            prop_assert!(p.wake_at(now) > now);
+        }
+    }
+}
