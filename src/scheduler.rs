@@ -163,10 +163,12 @@ async fn fire_while_active(
         for (kind, lane) in pacer.starts(Instant::now()) {
             let window = pacer.config().window(lane);
             let fires = kinds[kind];
+            tracing::trace!(kind = fires.table().kind(), ?lane, "starting a batch");
             let task = batch(shared.clone(), scanner.clone(), bus.clone(), fires, window);
             batches.spawn(async move { (fires, kind, lane, task.await) });
         }
         let wake = pacer.wake_at(Instant::now());
+        tracing::trace!(in_ = ?wake.saturating_duration_since(Instant::now()), running = pacer.running(), "sleeping");
         tokio::select! {
             _ = shared.stop.cancelled() => break,
             _ = lease.changed() => if lease.borrow_and_update().role != Role::Active { break },
@@ -175,6 +177,7 @@ async fn fire_while_active(
                 finished(shared, &mut pacer, &mut backoff, summary, joined);
             }
             Some(n) = notices.rx.recv() => {
+                tracing::trace!(?n, "notified");
                 pacer.notified(n.kind.and_then(|k| kinds.iter().position(|x| *x == k)), n.due, Instant::now());
             }
             _ = tokio::time::sleep_until(wake.into()) => {}
@@ -191,7 +194,10 @@ async fn probe(shared: &Firing, kinds: &[Fires], pacer: &mut Pacer) {
         let probed = probe_table(shared, kinds[kind].table(), after).await;
         shared.health.record(Check::Postgres, &probed);
         match probed {
-            Ok(p) => pacer.probed(kind, Instant::now(), p),
+            Ok(p) => {
+                tracing::trace!(kind = kinds[kind].table().kind(), ?p, "probed");
+                pacer.probed(kind, Instant::now(), p)
+            }
             Err(e) => {
                 tracing::warn!(error = %e, kind = kinds[kind].table().kind(), "cannot probe the due rows");
                 shared.probe.update(|s| s.database_ok = Some(false));
@@ -480,7 +486,7 @@ fn record(shared: &Firing, outcome: &BatchOutcome, summary: &mut Summary) {
         .for_each(|r| metrics.publish_failed(outcome.kind, r));
     tracing::debug!(
         fired = outcome.fired, failed = outcome.failed, duration = ?outcome.duration,
-        "fired batch"
+        steps = ?outcome.steps, "fired batch"
     );
     summary.add(outcome);
     shared.probe.update(|s| {

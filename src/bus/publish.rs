@@ -421,6 +421,10 @@ impl Bus {
         let mut sent = Vec::with_capacity(idx.len());
         let mut blocked = None;
         for &i in idx {
+            // lapin hands a message over without ever waiting while its buffer has room:
+            // without this a batch of hundreds would hold its worker thread, and with it
+            // the timers of held rows, for the whole loop.
+            tokio::task::consume_budget().await;
             if !budget.may_send() || !channel.status().connected() || blocked.is_some() {
                 d.fates.push((i, Fate::Unsent));
                 continue;

@@ -81,8 +81,20 @@ pub struct World {
     pub overrides: Vec<(String, String)>,
 }
 
+/// The daemons' logs on stderr when `RUST_LOG` is set (e.g.
+/// `RUST_LOG=timeoutd::scheduler=trace cargo nextest run … --no-capture`).
+fn trace_when_asked() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+}
+
 impl World {
     pub async fn new() -> Self {
+        trace_when_asked();
         let tag = Uuid::new_v4().simple().to_string()[..12].to_owned();
         let pool = PgPool::connect(&pg_url())
             .await

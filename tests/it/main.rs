@@ -15,6 +15,7 @@ mod failover;
 mod faults;
 mod firing;
 mod http;
+mod on_time;
 mod proxy;
 mod tls;
 mod unroutable;
