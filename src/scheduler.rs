@@ -172,7 +172,9 @@ async fn fire_while_active(
         tokio::select! {
             _ = shared.stop.cancelled() => break,
             _ = lease.changed() => if lease.borrow_and_update().role != Role::Active { break },
-            _ = bus_rx.changed() => break,
+            // A clone of the shared receiver starts with its version unseen: only another
+            // connection ends this loop, or every batch would wait for the whole drain.
+            _ = bus_rx.changed() => if !still_on(&mut bus_rx, bus) { break },
             Some(joined) = batches.join_next(), if !batches.is_empty() => {
                 finished(shared, &mut pacer, &mut backoff, summary, joined);
             }
@@ -186,6 +188,13 @@ async fn fire_while_active(
     while let Some(joined) = batches.join_next().await {
         finished(shared, &mut pacer, &mut backoff, summary, joined);
     }
+}
+
+/// Whether the shared connection is still `bus` (marks the news seen).
+fn still_on(rx: &mut watch::Receiver<Option<Arc<Bus>>>, bus: &Arc<Bus>) -> bool {
+    rx.borrow_and_update()
+        .as_ref()
+        .is_some_and(|now| Arc::ptr_eq(now, bus))
 }
 
 /// Probe the kinds whose probe is due.
