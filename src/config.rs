@@ -69,6 +69,10 @@ pub struct Delay {
     pub prefetch: u16,
     /// Larger bodies are kept, held as failing, never delivered.
     pub max_body: bytesize::ByteSize,
+    /// How long a cancel message is remembered: its message arriving later (through
+    /// another node, or redelivered) is dropped as cancelled.
+    #[serde(with = "humantime_serde")]
+    pub cancel_ttl: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -298,6 +302,12 @@ impl Settings {
         if self.delay.prefetch == 0 {
             return Err(ConfigError::invalid("delay.prefetch", "must be 1 to 65535"));
         }
+        if !(Duration::from_secs(1)..=MAX_CANCEL_TTL).contains(&self.delay.cancel_ttl) {
+            return Err(ConfigError::invalid(
+                "delay.cancel_ttl",
+                "must be 1s to 366 days",
+            ));
+        }
         Ok(())
     }
 
@@ -488,6 +498,9 @@ fn check_ca_file(key: &str, path: Option<&Path>) -> Result<(), ConfigError> {
     }
     Ok(())
 }
+
+/// A year and a day: longer would only keep forgotten cancels.
+const MAX_CANCEL_TTL: Duration = Duration::from_secs(366 * 24 * 3600);
 
 fn check_range(key: &str, v: u32, min: u32, max: u32) -> Result<(), ConfigError> {
     if !(min..=max).contains(&v) {

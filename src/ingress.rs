@@ -202,7 +202,12 @@ async fn store(ctx: &Intake, items: &[Ingest]) -> Result<IngestOutcome, Ended> {
     let give_up = Instant::now() + ctx.settings.election.member_ttl;
     let mut backoff = Backoff::new(ctx.settings.backoff.min, ctx.settings.backoff.max);
     loop {
-        match bounded(ctx.settings.db_bound(), ctx.store.ingest(items)).await {
+        match bounded(
+            ctx.settings.db_bound(),
+            ctx.store.ingest(items, ctx.settings.delay.cancel_ttl),
+        )
+        .await
+        {
             Ok(outcome) => return Ok(outcome),
             Err(StoreError::Db(sqlx::Error::Database(e))) => {
                 tracing::warn!(error = %e, "the database refused a batch of delayed messages: storing them one by one");
@@ -233,7 +238,8 @@ async fn store_alone(ctx: &Intake, items: &[Ingest]) -> IngestOutcome {
     for item in items {
         let outcome = match bounded(
             ctx.settings.db_bound(),
-            ctx.store.ingest(std::slice::from_ref(item)),
+            ctx.store
+                .ingest(std::slice::from_ref(item), ctx.settings.delay.cancel_ttl),
         )
         .await
         {
@@ -241,7 +247,11 @@ async fn store_alone(ctx: &Intake, items: &[Ingest]) -> IngestOutcome {
             Err(StoreError::Db(sqlx::Error::Database(e))) => match item {
                 Ingest::Store(s) => {
                     let plain = Ingest::Store(Box::new(held_plain(s, &e.to_string())));
-                    bounded(ctx.settings.db_bound(), ctx.store.ingest(&[plain])).await
+                    bounded(
+                        ctx.settings.db_bound(),
+                        ctx.store.ingest(&[plain], ctx.settings.delay.cancel_ttl),
+                    )
+                    .await
                 }
                 Ingest::Cancel(_) => Err(StoreError::Db(sqlx::Error::Database(e))),
             },

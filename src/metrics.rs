@@ -381,6 +381,7 @@ impl Metrics {
             ("held", o.held),
             ("duplicate", o.duplicates),
             ("cancelled", o.cancelled),
+            ("arrived_cancelled", o.arrived_cancelled),
         ];
         for (result, n) in results {
             self.ingested

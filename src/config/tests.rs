@@ -125,6 +125,8 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__LOG__FORMAT", "xml", "format"),
         ("TIMEOUTD__DELAY__PREFETCH", "0", "delay.prefetch"),
         ("TIMEOUTD__DELAY__PREFETCH", "70000", "prefetch"),
+        ("TIMEOUTD__DELAY__CANCEL_TTL", "0s", "delay.cancel_ttl"),
+        ("TIMEOUTD__DELAY__CANCEL_TTL", "400days", "delay.cancel_ttl"),
         ("TIMEOUTD__DELAY__EXCHANGE", "", "delay.exchange"),
         ("TIMEOUTD__DELAY__EXCHANGE", "amq.topic", "delay.exchange"),
         (

@@ -105,6 +105,8 @@ pub struct IngestOutcome {
     pub held: u64,
     /// Pending messages deleted by cancel messages.
     pub cancelled: u64,
+    /// Messages that arrived after a cancel message naming them: dropped.
+    pub arrived_cancelled: u64,
 }
 
 impl IngestOutcome {
@@ -114,13 +116,23 @@ impl IngestOutcome {
             duplicates: self.duplicates + o.duplicates,
             held: self.held + o.held,
             cancelled: self.cancelled + o.cancelled,
+            arrived_cancelled: self.arrived_cancelled + o.arrived_cancelled,
         }
     }
 }
 
+/// Hash buckets of `message_id` the ingest transactions lock (a power of two): enough
+/// that small batches rarely meet, few enough for Postgres's lock table.
+const CANCEL_BUCKETS: u32 = 64;
+
+/// Expired cancels one cancel statement forgets.
+const FORGET: u32 = 100;
+
 #[derive(Debug, Clone)]
 pub(super) struct Statements {
+    order: Arc<str>,
     insert: Arc<str>,
+    cancel_remembered: Arc<str>,
     cancel: Arc<str>,
     lock_due: Arc<str>,
     body: Arc<str>,
@@ -131,6 +143,11 @@ pub(super) struct Statements {
 impl Statements {
     pub(super) fn new(schema: &str) -> Self {
         let t = format!("{schema}.{}", DELAYED.name);
+        let c = format!("{schema}.delayed_cancels");
+        // The lock space of this schema's ingest, apart from other schemas and other
+        // users of two-key advisory locks (a collision would only make them wait).
+        let space = format!("hashtext('timeoutd.delayed_messages:{schema}')");
+        let mask = CANCEL_BUCKETS - 1;
         let (deadline, window, due_at, due) = (
             DELAYED.deadline(),
             DELAYED.window(),
@@ -146,18 +163,53 @@ impl Statements {
         Self {
             // One statement per batch; a message_id already pending (a redelivery after
             // a crash between commit and ack, or a duplicate in the batch) adds nothing.
+            // Locks taken first, in bucket order (no deadlock between two batches):
+            // exclusive on the buckets of the batch's cancels, shared on those of its
+            // messages, so a cancel and the message it names, stored by two nodes at
+            // once, never both miss each other (see migration 0006).
+            order: format!(
+                "SELECT s.b, CASE WHEN s.cancel THEN pg_advisory_xact_lock({space}, s.b) \
+                 ELSE pg_advisory_xact_lock_shared({space}, s.b) END::text \
+                 FROM (SELECT (hashtextextended(i.message_id, 0) & {mask})::int AS b, \
+                 bool_or(i.cancel) AS cancel \
+                 FROM unnest($1::text[], $2::bool[]) AS i(message_id, cancel) \
+                 GROUP BY 1 ORDER BY 1) AS s"
+            )
+            .into(),
+            // One statement per batch; a message_id already pending (a redelivery after
+            // a crash between commit and ack, or a duplicate in the batch) adds nothing,
+            // and neither does one a cancel message named first.
             insert: format!(
-                "INSERT INTO {t} (id, message_id, deliver_at, exchange, routing_key, \
+                "WITH r AS (SELECT r.*, EXISTS (SELECT 1 FROM {c} AS c \
+                 WHERE c.message_id = r.message_id AND c.expires_at > now()) AS cancelled \
+                 FROM unnest($1::uuid[], $2::text[], $3::float8[], $4::timestamptz[], \
+                 $5::text[], $6::text[], $7::text[], $8::bytea[], $9::text[]) \
+                 AS r(id, message_id, delay_ms, at, exchange, routing_key, properties, body, held)), \
+                 stored AS (INSERT INTO {t} (id, message_id, deliver_at, exchange, routing_key, \
                  properties, body, attempts, last_error, retry_at) \
                  SELECT r.id, r.message_id, \
                  coalesce(r.at, now() + make_interval(secs => r.delay_ms / 1000.0)), \
                  r.exchange, r.routing_key, r.properties::jsonb, r.body, \
                  CASE WHEN r.held IS NULL THEN 0 ELSE 1 END, r.held, \
                  CASE WHEN r.held IS NULL THEN NULL ELSE 'infinity'::timestamptz END \
-                 FROM unnest($1::uuid[], $2::text[], $3::float8[], $4::timestamptz[], \
-                 $5::text[], $6::text[], $7::text[], $8::bytea[], $9::text[]) \
-                 AS r(id, message_id, delay_ms, at, exchange, routing_key, properties, body, held) \
-                 ON CONFLICT (message_id) DO NOTHING"
+                 FROM r WHERE NOT r.cancelled \
+                 ON CONFLICT (message_id) DO NOTHING RETURNING 1) \
+                 SELECT (SELECT count(*) FROM stored), (SELECT count(*) FROM r WHERE r.cancelled)"
+            )
+            .into(),
+            // The cancel is remembered (renewed if repeated), and a few expired ones
+            // are forgotten, so the table holds about the cancels of one cancel_ttl.
+            cancel_remembered: format!(
+                "WITH x AS (SELECT DISTINCT unnest($1::text[]) AS message_id), \
+                 remember AS (INSERT INTO {c} (message_id, expires_at) \
+                 SELECT message_id, now() + make_interval(secs => $2) FROM x \
+                 ON CONFLICT (message_id) DO UPDATE SET expires_at = excluded.expires_at), \
+                 forget AS (DELETE FROM {c} WHERE message_id IN (SELECT message_id FROM {c} \
+                 WHERE expires_at <= now() AND message_id NOT IN (SELECT message_id FROM x) \
+                 ORDER BY expires_at LIMIT {FORGET})), \
+                 deleted AS (DELETE FROM {t} WHERE message_id IN (SELECT message_id FROM x) \
+                 RETURNING 1) \
+                 SELECT count(*) FROM deleted"
             )
             .into(),
             cancel: format!("DELETE FROM {t} WHERE message_id = ANY($1)").into(),
@@ -182,20 +234,45 @@ impl Statements {
 
 impl Store {
     /// Store and cancel in arrival order, in one transaction (a cancel that arrives
-    /// after its message in the same batch still finds it).
-    pub async fn ingest(&self, batch: &[Ingest]) -> Result<IngestOutcome, StoreError> {
+    /// after its message in the same batch still finds it); a cancel is remembered for
+    /// `cancel_ttl`, so its message arriving later, through another node, is dropped.
+    pub async fn ingest(
+        &self,
+        batch: &[Ingest],
+        cancel_ttl: Duration,
+    ) -> Result<IngestOutcome, StoreError> {
         let mut out = IngestOutcome::default();
         let mut tx = self.begin().await?;
+        self.order(&mut tx, batch).await?;
         for run in
             batch.chunk_by(|a, b| matches!(a, Ingest::Store(_)) == matches!(b, Ingest::Store(_)))
         {
             match &run[0] {
                 Ingest::Store(_) => self.insert(&mut tx, run, &mut out).await?,
-                Ingest::Cancel(_) => out.cancelled += self.cancel_in(&mut tx, run).await?,
+                Ingest::Cancel(_) => {
+                    out.cancelled += self.cancel_in(&mut tx, run, cancel_ttl).await?
+                }
             }
         }
         tx.commit().await?;
         Ok(out)
+    }
+
+    /// Take the batch's bucket locks (see `Statements::order`).
+    async fn order(&self, tx: &mut PgConnection, batch: &[Ingest]) -> Result<(), StoreError> {
+        let (ids, cancels): (Vec<&str>, Vec<bool>) = batch
+            .iter()
+            .map(|i| match i {
+                Ingest::Store(s) => (s.message_id.as_str(), false),
+                Ingest::Cancel(id) => (id.as_str(), true),
+            })
+            .unzip();
+        sqlx::query(safe(&self.sql.delayed.order))
+            .bind(ids)
+            .bind(cancels)
+            .fetch_all(tx)
+            .await?;
+        Ok(())
     }
 
     async fn insert(
@@ -219,7 +296,7 @@ impl Store {
                 Due::At(t) => (None, Some(t)),
             })
             .unzip();
-        let inserted = sqlx::query(safe(&self.sql.delayed.insert))
+        let (inserted, cancelled): (i64, i64) = sqlx::query_as(safe(&self.sql.delayed.insert))
             .bind(rows.iter().map(|_| Uuid::new_v4()).collect::<Vec<_>>())
             .bind(
                 rows.iter()
@@ -237,16 +314,22 @@ impl Store {
             .bind(properties)
             .bind(rows.iter().map(|r| r.body.as_slice()).collect::<Vec<_>>())
             .bind(rows.iter().map(|r| r.held.as_deref()).collect::<Vec<_>>())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+            .fetch_one(&mut *tx)
+            .await?;
+        let (inserted, cancelled) = (inserted.unsigned_abs(), cancelled.unsigned_abs());
         out.stored += inserted;
-        out.duplicates += rows.len() as u64 - inserted;
+        out.arrived_cancelled += cancelled;
+        out.duplicates += (rows.len() as u64).saturating_sub(inserted + cancelled);
         out.held += rows.iter().filter(|r| r.held.is_some()).count() as u64;
         Ok(())
     }
 
-    async fn cancel_in(&self, tx: &mut PgConnection, run: &[Ingest]) -> Result<u64, StoreError> {
+    async fn cancel_in(
+        &self,
+        tx: &mut PgConnection,
+        run: &[Ingest],
+        ttl: Duration,
+    ) -> Result<u64, StoreError> {
         let ids: Vec<&str> = run
             .iter()
             .filter_map(|i| match i {
@@ -254,11 +337,12 @@ impl Store {
                 Ingest::Store(_) => None,
             })
             .collect();
-        let done = sqlx::query(safe(&self.sql.delayed.cancel))
+        let deleted: i64 = sqlx::query_scalar(safe(&self.sql.delayed.cancel_remembered))
             .bind(ids)
-            .execute(tx)
+            .bind(ttl.as_secs_f64())
+            .fetch_one(tx)
             .await?;
-        Ok(done.rows_affected())
+        Ok(deleted.unsigned_abs())
     }
 
     /// Peek at delayed messages, earliest due first; never changes them.

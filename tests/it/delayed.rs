@@ -2,6 +2,7 @@
 //! as a plugin user would, with `x-delay`, they arrive at the target after the delay,
 //! never before, byte for byte; bad input is kept and held; cancels work three ways.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::Utc;
@@ -403,7 +404,7 @@ async fn a_redelivered_message_is_stored_and_delivered_once() {
         max_body: 1 << 20,
     };
     let stored = store
-        .ingest(&[ingest(first, &rules)])
+        .ingest(&[ingest(first, &rules)], std::time::Duration::from_secs(60))
         .await
         .expect("stored before the crash");
     assert_eq!(stored.stored, 1);
@@ -472,4 +473,147 @@ async fn undeliverable_delayed_messages_stay_failing_and_the_rest_arrive() {
     assert_eq!(inbox.all()[0].raw, b"good");
     node.stop().await;
     world.cleanup().await;
+}
+
+/// Cancel messages are exact with several consuming nodes: three nodes consume the
+/// ingress while four publishers send, with confirms, 600 messages delayed 3–5 s, and a
+/// cancel message right after the confirm of about half of them (at once or a few ms
+/// later, so a message and its cancel are often taken by two nodes at the same moment),
+/// and for some ids the cancel *before* the message. Judged alone, from the outside: a
+/// message cancelled after its confirm never arrives, whichever node stored what first;
+/// one sent after its cancel never arrives either; every other one arrives exactly once,
+/// never early; the table ends empty and remembers each cancel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_messages_are_exact_with_three_consuming_nodes() {
+    let (world, target) = delayed_world().await;
+    let inbox = Inbox::on_exchange(&target, "#").await;
+    let nodes = [
+        world.start().await,
+        world.start().await,
+        world.start().await,
+    ];
+    wait_for(Duration::from_secs(10), "an active node", || {
+        nodes.iter().any(|n| *n.role.borrow() == Role::Active)
+    })
+    .await;
+    let mut shares = Vec::new();
+    for p in 0..4u64 {
+        shares.push(tokio::spawn(send_and_cancel(
+            world.ingress(),
+            0xca9c + p,
+            p * 150,
+            150,
+        )));
+    }
+    let mut fates = HashMap::new();
+    for s in shares {
+        fates.extend(s.await.expect("publisher"));
+    }
+    let arriving = fates.values().filter(|f| f.cancel == Cancel::No).count();
+    wait_for(
+        Duration::from_secs(60),
+        "every message not cancelled",
+        || inbox.len() >= arriving,
+    )
+    .await;
+    // A cancelled message would be due by now: give it a moment to show up.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let counts = inbox.counts();
+    for (id, fate) in &fates {
+        let n = counts.get(id).copied().unwrap_or(0);
+        let want = usize::from(fate.cancel == Cancel::No);
+        assert_eq!(n, want, "{id} ({fate:?}) arrived {n} times");
+    }
+    for r in inbox.all() {
+        let fate = &fates[&r.message_id()];
+        assert!(
+            r.at >= fate.confirmed + fate.delay,
+            "{} early",
+            r.message_id()
+        );
+    }
+    assert_eq!(count(&world, "true").await, 0, "nothing left pending");
+    let remembered: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}.delayed_cancels WHERE expires_at > now()",
+        world.schema
+    )))
+    .fetch_one(&world.pool)
+    .await
+    .expect("cancels");
+    let cancels = fates.values().filter(|f| f.cancel != Cancel::No).count();
+    assert_eq!(remembered as usize, cancels, "every cancel remembered");
+    println!(
+        "cancel exactness: {} messages, {cancels} cancelled ({} before their message), \
+         {arriving} arrived once each",
+        fates.len(),
+        fates
+            .values()
+            .filter(|f| f.cancel == Cancel::Before)
+            .count()
+    );
+    for node in nodes {
+        node.stop().await;
+    }
+    world.cleanup().await;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cancel {
+    No,
+    /// Right after the message's confirm (a few ms later at most).
+    After,
+    /// Before the message was published.
+    Before,
+}
+
+#[derive(Debug, Clone)]
+struct Fate {
+    cancel: Cancel,
+    confirmed: chrono::DateTime<Utc>,
+    delay: chrono::Duration,
+}
+
+async fn send_and_cancel(ingress: String, seed: u64, from: u64, n: u64) -> HashMap<String, Fate> {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    let (conn, ch) = publisher().await;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut fates = HashMap::new();
+    for i in from..from + n {
+        let id = format!("c-{i}");
+        let cancel = match rng.random_range(0..20) {
+            0..10 => Cancel::No,
+            10..18 => Cancel::After,
+            _ => Cancel::Before,
+        };
+        let delay_ms = rng.random_range(3000..5000);
+        let cancel_props = || {
+            BasicProperties::default().with_headers(headers(vec![(
+                "x-timeoutd-cancel",
+                AMQPValue::LongString(LongString::from(id.as_str())),
+            )]))
+        };
+        if cancel == Cancel::Before {
+            publish(&ch, &ingress, "k", cancel_props(), b"").await;
+        }
+        let props = BasicProperties::default()
+            .with_message_id(id.as_str().into())
+            .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(delay_ms))]));
+        let sent = Utc::now();
+        publish(&ch, &ingress, "k", props, id.as_bytes()).await;
+        if cancel == Cancel::After {
+            if rng.random_bool(0.5) {
+                tokio::time::sleep(Duration::from_millis(rng.random_range(1..10))).await;
+            }
+            publish(&ch, &ingress, "k", cancel_props(), b"").await;
+        }
+        let fate = Fate {
+            cancel,
+            confirmed: sent,
+            delay: chrono::Duration::milliseconds(delay_ms.into()),
+        };
+        fates.insert(id, fate);
+    }
+    let _ = conn.close(200, "OK".into()).await;
+    fates
 }
