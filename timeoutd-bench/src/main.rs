@@ -46,6 +46,7 @@ mod prelude;
 mod report;
 mod scrape;
 mod steady;
+mod summary;
 mod svg;
 
 pub(crate) use baselines::*;
@@ -59,6 +60,7 @@ use prelude::*;
 pub(crate) use report::*;
 pub(crate) use scrape::*;
 pub(crate) use steady::*;
+pub(crate) use summary::*;
 
 pub(crate) const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub(crate) const PG_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -89,9 +91,14 @@ pub(crate) struct Args {
     /// Duration of the steady phase in seconds. Default 30 (5 with --quick).
     #[arg(long)]
     pub(crate) steady_secs: Option<u64>,
-    /// Rows due per second in the steady phase.
-    #[arg(long, default_value_t = 1000)]
-    pub(crate) rate: u32,
+    /// Rows due per second in the steady phases, comma-separated: one phase per rate.
+    #[arg(long, value_delimiter = ',', default_values_t = [1000, 5000])]
+    pub(crate) rate: Vec<u32>,
+    /// Whole runs (baselines and daemon phases interleaved, each run in fresh tables);
+    /// the summary gives the median and range of each measurement. Default 3 (1 with
+    /// --quick).
+    #[arg(long)]
+    pub(crate) runs: Option<usize>,
     /// Table sizes of the idle-scan phase, comma-separated. Default 10000,100000,1000000
     /// (10000,100000 with --quick).
     #[arg(long, value_delimiter = ',')]
@@ -137,7 +144,7 @@ pub(crate) struct Plan {
     pub(crate) quick: bool,
     pub(crate) burst: usize,
     pub(crate) steady_secs: u64,
-    pub(crate) rate: u32,
+    pub(crate) rates: Vec<u32>,
     pub(crate) idle_rows: Vec<u64>,
     pub(crate) scan_runs: usize,
     /// `None`: `--no-delayed`.
@@ -178,12 +185,17 @@ impl Plan {
             quick: args.quick,
             burst,
             steady_secs: args.steady_secs.unwrap_or(secs),
-            rate: args.rate,
+            rates: args.rate.clone(),
             idle_rows,
             scan_runs: args.scan_runs,
             delayed,
         };
-        if plan.burst == 0 || plan.rate == 0 || plan.scan_runs == 0 || plan.idle_rows.is_empty() {
+        if plan.burst == 0
+            || plan.rates.is_empty()
+            || plan.rates.contains(&0)
+            || plan.scan_runs == 0
+            || plan.idle_rows.is_empty()
+        {
             bail!("--burst, --rate, --scan-runs and --idle-rows must be greater than 0");
         }
         Ok(plan)
@@ -195,26 +207,46 @@ pub(crate) async fn main() -> Result<()> {
     let args = Args::parse();
     let plan = Plan::from(&args)?;
     let daemon_bin = daemon_path(&args)?;
-    let env = Env::setup(&args, daemon_bin).await?;
+    let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
+    let mut reports = Vec::new();
+    for n in 1..=runs {
+        println!("== run {n} of {runs}");
+        let report = one_run(&args, &plan, daemon_bin.clone()).await?;
+        print_table(&report);
+        write_results(&args.out.join(format!("run-{n}")), &report)?;
+        reports.push(report);
+    }
+    let summary = summarize(&reports);
+    let table = summary_table(&summary, runs);
+    println!("\n{table}");
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(args.out.join("summary.md"), &table)?;
+    std::fs::write(
+        args.out.join("summary.json"),
+        serde_json::to_vec_pretty(&summary)?,
+    )?;
+    println!(
+        "wrote {0}/summary.md, {0}/summary.json and each run's bench.json and bench.svg under \
+         {0}/run-N",
+        args.out.display()
+    );
+    Ok(())
+}
+
+/// One run in fresh tables, a fresh group and a fresh queue, removed afterwards.
+async fn one_run(args: &Args, plan: &Plan, daemon_bin: PathBuf) -> Result<Report> {
+    let env = Env::setup(args, daemon_bin).await?;
     println!(
         "timeoutd-bench: schema {}, group {}, queue {}; daemon scan.batch_size {}, \
          election.tick {:?}",
         env.schema, env.group, env.queue, env.settings.scan.batch_size, env.settings.election.tick
     );
     let outcome = tokio::select! {
-        r = run(&env, &plan) => r,
+        r = run(&env, plan) => r,
         _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
     };
     env.cleanup().await;
-    let report = outcome?;
-    print_table(&report);
-    write_results(&args.out, &report)?;
-    println!(
-        "\nwrote {}/bench.json and {}/bench.svg",
-        args.out.display(),
-        args.out.display()
-    );
-    Ok(())
+    outcome
 }
 
 pub(crate) fn daemon_path(args: &Args) -> Result<PathBuf> {
@@ -253,7 +285,11 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
     )
     .await?;
     let peak = daemon.memory()?;
-    let steady = phase("steady", steady(env, &mut daemon, plan)).await?;
+    let mut steady_runs = Vec::new();
+    for &rate in &plan.rates {
+        let name = format!("steady {rate}/s");
+        steady_runs.push(phase(&name, steady(env, &mut daemon, rate, plan.steady_secs)).await?);
+    }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let idle_after = daemon.memory()?;
     let daemon_warnings = daemon.log.warnings.load(Ordering::Relaxed);
@@ -277,7 +313,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         publish,
         delete,
         burst,
-        steady,
+        steady_runs,
         delayed,
         idle_scan,
         memory,

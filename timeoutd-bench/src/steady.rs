@@ -28,11 +28,11 @@ pub(crate) struct Steady {
 
 /// Rows due at `rate`/s for `steady_secs`, inserted through `client::expect` ~1.5 s ahead,
 /// in one transaction every 10 ms; lateness = receipt − deadline.
-pub(crate) async fn steady(env: &Env, daemon: &mut Daemon, plan: &Plan) -> Result<Steady> {
+pub(crate) async fn steady(env: &Env, daemon: &mut Daemon, rate: u32, secs: u64) -> Result<Steady> {
     // Before the first deadline is set: a scrape must not eat into the insert lead.
     let before = daemon.scrape().await?;
-    let total = plan.rate as usize * plan.steady_secs as usize;
-    let step = 1e6 / f64::from(plan.rate);
+    let total = rate as usize * secs as usize;
+    let step = 1e6 / f64::from(rate);
     let first = (Utc::now() + chrono::Duration::from_std(STEADY_LEAD)?).trunc_subsecs(6);
     let deadline = |k: usize| first + chrono::Duration::microseconds((k as f64 * step) as i64);
     env.inbox.take();
@@ -49,8 +49,8 @@ pub(crate) async fn steady(env: &Env, daemon: &mut Daemon, plan: &Plan) -> Resul
     let lateness = lateness_ms(&got, &deadlines);
     let early = lateness.iter().filter(|l| **l < 0.0).count();
     Ok(Steady {
-        rate: plan.rate,
-        secs: plan.steady_secs,
+        rate,
+        secs,
         rows: total,
         delivery,
         early,
