@@ -37,6 +37,7 @@
 
 mod baselines;
 mod burst;
+mod catch_up;
 mod child;
 mod delayed;
 mod env;
@@ -51,6 +52,7 @@ mod svg;
 
 pub(crate) use baselines::*;
 pub(crate) use burst::*;
+pub(crate) use catch_up::*;
 pub(crate) use child::*;
 pub(crate) use delayed::*;
 pub(crate) use env::*;
@@ -94,6 +96,10 @@ pub(crate) struct Args {
     /// Rows due per second in the steady phases, comma-separated: one phase per rate.
     #[arg(long, value_delimiter = ',', default_values_t = [1000, 5000])]
     pub(crate) rate: Vec<u32>,
+    /// Rows overdue by up to an hour, committed at once, in the catch-up phase (0 skips
+    /// it). Default 1000000 (20000 with --quick).
+    #[arg(long)]
+    pub(crate) catch_up: Option<usize>,
     /// Whole runs (baselines and daemon phases interleaved, each run in fresh tables);
     /// the summary gives the median and range of each measurement. Default 3 (1 with
     /// --quick).
@@ -145,6 +151,8 @@ pub(crate) struct Plan {
     pub(crate) burst: usize,
     pub(crate) steady_secs: u64,
     pub(crate) rates: Vec<u32>,
+    /// 0: no catch-up phase.
+    pub(crate) catch_up: usize,
     pub(crate) idle_rows: Vec<u64>,
     pub(crate) scan_runs: usize,
     /// `None`: `--no-delayed`.
@@ -186,6 +194,9 @@ impl Plan {
             burst,
             steady_secs: args.steady_secs.unwrap_or(secs),
             rates: args.rate.clone(),
+            catch_up: args
+                .catch_up
+                .unwrap_or(if args.quick { 20_000 } else { 1_000_000 }),
             idle_rows,
             scan_runs: args.scan_runs,
             delayed,
@@ -292,6 +303,13 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let idle_after = daemon.memory()?;
+    let catch_up = match plan.catch_up {
+        0 => None,
+        n => {
+            let pace = publish.rows_per_sec;
+            Some(phase("catch-up", catch_up(env, &mut daemon, n, pace)).await?)
+        }
+    };
     let daemon_warnings = daemon.log.warnings.load(Ordering::Relaxed);
     let daemon_stop = match daemon.stop().await {
         Ok(()) => "exit 0 after SIGTERM".to_owned(),
@@ -314,6 +332,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         delete,
         burst,
         steady_runs,
+        catch_up,
         delayed,
         idle_scan,
         memory,

@@ -60,6 +60,8 @@ pub(crate) struct Report {
     pub(crate) burst: Burst,
     /// One per `--rate`.
     pub(crate) steady: Vec<Steady>,
+    /// `None` with `--catch-up 0`.
+    pub(crate) catch_up: Option<CatchUp>,
     /// `None` with `--no-delayed`.
     pub(crate) delayed: Option<Delayed>,
     pub(crate) idle_scan: Vec<IdleScan>,
@@ -77,6 +79,7 @@ impl Report {
         delete: DeleteBaseline,
         burst: Burst,
         steady: Vec<Steady>,
+        catch_up: Option<CatchUp>,
         delayed: Option<Delayed>,
         idle_scan: Vec<IdleScan>,
         memory: Memory,
@@ -104,6 +107,7 @@ impl Report {
             delete,
             burst,
             steady,
+            catch_up,
             delayed,
             idle_scan,
             memory,
@@ -117,6 +121,9 @@ impl Report {
         let mut lines = self.throughput_lines();
         for s in &self.steady {
             lines.extend(steady_lines(s));
+        }
+        if let Some(c) = &self.catch_up {
+            lines.extend(catch_up_lines(c, self.publish.rows_per_sec));
         }
         lines.extend(self.idle_lines());
         lines.extend(self.memory_lines());
@@ -604,6 +611,56 @@ pub(crate) fn steady_lines(s: &Steady) -> Vec<Line> {
             d.steps.text(),
             "",
             None,
+        ),
+    ]
+}
+
+/// The catch-up phase: drain pace against the publish baseline, exactness, the rows that
+/// came due meanwhile, memory.
+pub(crate) fn catch_up_lines(c: &CatchUp, publish: f64) -> Vec<Line> {
+    let ratio = c.rows_per_sec / publish;
+    vec![
+        line(
+            &format!(
+                "catch-up: {} rows overdue ≤ 1 h, commit → last received",
+                human(c.rows as u64)
+            ),
+            format!(
+                "{:.2} s = {:.0}/s (inserted in {:.1} s); {}",
+                c.drain_secs,
+                c.rows_per_sec,
+                c.insert_secs,
+                batches_text(&c.daemon)
+            ),
+            "",
+            None,
+        ),
+        line(
+            "catch-up / baseline publish",
+            format!("{:.0}%", ratio * 100.0),
+            "≥ 90%",
+            Some(ratio >= 0.9),
+        ),
+        line(
+            "catch-up: each row exactly once",
+            delivery_text(&c.delivery, c.left_in_table),
+            "= rows, 0 dup",
+            Some(c.delivery.exact(c.rows) && c.left_in_table == 0),
+        ),
+        line(
+            "catch-up: rows coming due meanwhile (100/s), lateness p50 / p99 / max",
+            format!(
+                "{:.1} / {:.1} / {:.1} ms over {} rows, {} early",
+                c.fresh_p50_ms, c.fresh_p99_ms, c.fresh_max_ms, c.fresh_rows, c.fresh_early
+            ),
+            "0 early",
+            Some(c.fresh_early == 0),
+        ),
+        line(
+            "catch-up: daemon peak RSS (VmHWM)",
+            format!("{:.1} MiB", c.peak_rss_mib),
+            "≤ 64 MiB",
+            Some(c.peak_rss_mib <= 64.0),
         ),
     ]
 }

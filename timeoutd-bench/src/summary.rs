@@ -75,6 +75,24 @@ fn measurements(r: &Report) -> Vec<(String, &'static str, f64, Option<Want>)> {
             ));
         }
     }
+    if let Some(c) = &r.catch_up {
+        let name = |what: &str| format!("catch-up {}: {what}", human(c.rows as u64));
+        m.push((name("drain"), "rows/s", c.rows_per_sec, None));
+        m.push((
+            name("drain / baseline publish"),
+            "%",
+            100.0 * c.rows_per_sec / publish,
+            Some(Want::AtLeast(90.0)),
+        ));
+        m.push((name("fresh rows' lateness p50"), "ms", c.fresh_p50_ms, None));
+        m.push((name("fresh rows' lateness p99"), "ms", c.fresh_p99_ms, None));
+        m.push((
+            name("daemon peak RSS"),
+            "MiB",
+            c.peak_rss_mib,
+            Some(Want::AtMost(64.0)),
+        ));
+    }
     if let Some(i) = r.idle_scan.last() {
         let name = format!("idle scan, {} rows not due (median)", human(i.rows));
         m.push((name, "ms", i.median_ms, None));
