@@ -42,6 +42,7 @@ mod child;
 mod delayed;
 mod env;
 mod idle;
+mod idle_cost;
 mod insert;
 mod prelude;
 mod report;
@@ -57,6 +58,7 @@ pub(crate) use child::*;
 pub(crate) use delayed::*;
 pub(crate) use env::*;
 pub(crate) use idle::*;
+pub(crate) use idle_cost::*;
 pub(crate) use insert::*;
 use prelude::*;
 pub(crate) use report::*;
@@ -100,6 +102,10 @@ pub(crate) struct Args {
     /// it). Default 1000000 (20000 with --quick).
     #[arg(long)]
     pub(crate) catch_up: Option<usize>,
+    /// Seconds three idle daemons are watched in the idle-cost phase (0 skips it).
+    /// Default 60 (10 with --quick).
+    #[arg(long)]
+    pub(crate) idle_secs: Option<u64>,
     /// Whole runs (baselines and daemon phases interleaved, each run in fresh tables);
     /// the summary gives the median and range of each measurement. Default 3 (1 with
     /// --quick).
@@ -153,6 +159,8 @@ pub(crate) struct Plan {
     pub(crate) rates: Vec<u32>,
     /// 0: no catch-up phase.
     pub(crate) catch_up: usize,
+    /// 0: no idle-cost phase.
+    pub(crate) idle_secs: u64,
     pub(crate) idle_rows: Vec<u64>,
     pub(crate) scan_runs: usize,
     /// `None`: `--no-delayed`.
@@ -194,6 +202,7 @@ impl Plan {
             burst,
             steady_secs: args.steady_secs.unwrap_or(secs),
             rates: args.rate.clone(),
+            idle_secs: args.idle_secs.unwrap_or(if args.quick { 10 } else { 60 }),
             catch_up: args
                 .catch_up
                 .unwrap_or(if args.quick { 20_000 } else { 1_000_000 }),
@@ -322,6 +331,10 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         Some(d) => Some(delayed(env, d).await?),
         None => None,
     };
+    let idle_cost = match plan.idle_secs {
+        0 => None,
+        secs => Some(phase("idle cost", idle_cost(env, secs)).await?),
+    };
     let idle_scan = phase("idle scan", idle_scans(env, plan)).await?;
     let memory = Memory::from(idle_before, peak, idle_after);
     Ok(Report::new(
@@ -334,6 +347,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         steady_runs,
         catch_up,
         delayed,
+        idle_cost,
         idle_scan,
         memory,
         (daemon_warnings, daemon_stop),

@@ -62,6 +62,8 @@ pub(crate) struct Report {
     pub(crate) steady: Vec<Steady>,
     /// `None` with `--catch-up 0`.
     pub(crate) catch_up: Option<CatchUp>,
+    /// `None` with `--idle-secs 0`.
+    pub(crate) idle_cost: Option<IdleCost>,
     /// `None` with `--no-delayed`.
     pub(crate) delayed: Option<Delayed>,
     pub(crate) idle_scan: Vec<IdleScan>,
@@ -81,6 +83,7 @@ impl Report {
         steady: Vec<Steady>,
         catch_up: Option<CatchUp>,
         delayed: Option<Delayed>,
+        idle_cost: Option<IdleCost>,
         idle_scan: Vec<IdleScan>,
         memory: Memory,
         (daemon_warnings, daemon_stop): (usize, String),
@@ -108,6 +111,7 @@ impl Report {
             burst,
             steady,
             catch_up,
+            idle_cost,
             delayed,
             idle_scan,
             memory,
@@ -124,6 +128,9 @@ impl Report {
         }
         if let Some(c) = &self.catch_up {
             lines.extend(catch_up_lines(c, self.publish.rows_per_sec));
+        }
+        if let Some(i) = &self.idle_cost {
+            lines.extend(idle_cost_lines(i));
         }
         lines.extend(self.idle_lines());
         lines.extend(self.memory_lines());
@@ -661,6 +668,40 @@ pub(crate) fn catch_up_lines(c: &CatchUp, publish: f64) -> Vec<Line> {
             format!("{:.1} MiB", c.peak_rss_mib),
             "≤ 64 MiB",
             Some(c.peak_rss_mib <= 64.0),
+        ),
+    ]
+}
+
+/// Three idle daemons: CPU and memory each, broker and database traffic.
+pub(crate) fn idle_cost_lines(i: &IdleCost) -> Vec<Line> {
+    let each = |v: &[f64], unit: &str| {
+        v.iter()
+            .map(|x| format!("{x:.2}{unit}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    vec![
+        line(
+            &format!(
+                "idle: {} daemons for {:.0} s, CPU of one core each",
+                i.nodes, i.secs
+            ),
+            each(&i.cpu_percent, " %"),
+            "≤ 0.5 %",
+            Some(i.max_cpu_percent() <= 0.5),
+        ),
+        line("idle: RSS each", each(&i.rss_mib, " MiB"), "", None),
+        line(
+            "idle: announcements routed per second (one observer)",
+            format!("{:.2}/s", i.announcements_per_sec),
+            "",
+            None,
+        ),
+        line(
+            "idle: database transactions per second (all clients)",
+            format!("{:.1}/s", i.db_transactions_per_sec),
+            "",
+            None,
         ),
     ]
 }

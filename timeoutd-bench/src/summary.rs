@@ -93,6 +93,22 @@ fn measurements(r: &Report) -> Vec<(String, &'static str, f64, Option<Want>)> {
             Some(Want::AtMost(64.0)),
         ));
     }
+    if let Some(i) = &r.idle_cost {
+        let name = |what: &str| format!("idle, {} daemons: {what}", i.nodes);
+        m.push((
+            name("CPU of the busiest"),
+            "%",
+            i.max_cpu_percent(),
+            Some(Want::AtMost(0.5)),
+        ));
+        m.push((name("announcements"), "/s", i.announcements_per_sec, None));
+        m.push((
+            name("database transactions"),
+            "/s",
+            i.db_transactions_per_sec,
+            None,
+        ));
+    }
     if let Some(i) = r.idle_scan.last() {
         let name = format!("idle scan, {} rows not due (median)", human(i.rows));
         m.push((name, "ms", i.median_ms, None));
