@@ -44,6 +44,7 @@ mod env;
 mod idle;
 mod idle_cost;
 mod insert;
+mod limit;
 mod prelude;
 mod report;
 mod scrape;
@@ -60,6 +61,7 @@ pub(crate) use env::*;
 pub(crate) use idle::*;
 pub(crate) use idle_cost::*;
 pub(crate) use insert::*;
+pub(crate) use limit::*;
 use prelude::*;
 pub(crate) use report::*;
 pub(crate) use scrape::*;
@@ -295,6 +297,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         );
     }
     let publish = phase("baseline publish", baseline_publish(env, plan.burst)).await?;
+    let limit = phase("publish limit", publish_limit(env, plan.burst)).await?;
     let delete = phase("baseline delete", baseline_delete(env, plan.burst)).await?;
     let mut daemon = phase("daemon start", Daemon::start(env)).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -342,6 +345,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         plan,
         started_at,
         publish,
+        limit,
         delete,
         burst,
         steady_runs,

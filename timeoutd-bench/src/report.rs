@@ -56,6 +56,7 @@ pub(crate) struct Meta {
 pub(crate) struct Report {
     pub(crate) meta: Meta,
     pub(crate) publish: PublishBaseline,
+    pub(crate) limit: PublishLimit,
     pub(crate) delete: DeleteBaseline,
     pub(crate) burst: Burst,
     /// One per `--rate`.
@@ -78,6 +79,7 @@ impl Report {
         plan: &Plan,
         started_at: DateTime<Utc>,
         publish: PublishBaseline,
+        limit: PublishLimit,
         delete: DeleteBaseline,
         burst: Burst,
         steady: Vec<Steady>,
@@ -107,6 +109,7 @@ impl Report {
         let mut report = Self {
             meta,
             publish,
+            limit,
             delete,
             burst,
             steady,
@@ -123,11 +126,12 @@ impl Report {
 
     pub(crate) fn table_lines(&self) -> Vec<Line> {
         let mut lines = self.throughput_lines();
+        lines.extend(limit_lines(&self.limit, self.burst.rows_per_sec));
         for s in &self.steady {
             lines.extend(steady_lines(s));
         }
         if let Some(c) = &self.catch_up {
-            lines.extend(catch_up_lines(c, self.publish.rows_per_sec));
+            lines.extend(catch_up_lines(c, self.limit.best.msgs_per_sec));
         }
         if let Some(i) = &self.idle_cost {
             lines.extend(idle_cost_lines(i));
@@ -643,7 +647,7 @@ pub(crate) fn catch_up_lines(c: &CatchUp, publish: f64) -> Vec<Line> {
             None,
         ),
         line(
-            "catch-up / baseline publish",
+            "catch-up / best publish limit",
             format!("{:.0}%", ratio * 100.0),
             "≥ 90%",
             Some(ratio >= 0.9),
@@ -702,6 +706,41 @@ pub(crate) fn idle_cost_lines(i: &IdleCost) -> Vec<Line> {
             format!("{:.1}/s", i.db_transactions_per_sec),
             "",
             None,
+        ),
+    ]
+}
+
+/// The publish limit search and the burst against its best.
+pub(crate) fn limit_lines(l: &PublishLimit, burst: f64) -> Vec<Line> {
+    let t = |t: &Trial| {
+        format!(
+            "{} ch × window {}: {:.0}/s",
+            t.channels, t.window, t.msgs_per_sec
+        )
+    };
+    let ratio = burst / l.best.msgs_per_sec;
+    vec![
+        line(
+            "publish limit: channels × confirm window, consumed (best first)",
+            {
+                let mut trials = l.trials.clone();
+                trials.sort_by(|a, b| b.msgs_per_sec.total_cmp(&a.msgs_per_sec));
+                trials.iter().map(t).collect::<Vec<_>>().join("; ")
+            },
+            "",
+            None,
+        ),
+        line(
+            "publish limit, nobody consuming (best setting)",
+            t(&l.raw),
+            "",
+            None,
+        ),
+        line(
+            "burst / best publish limit",
+            format!("{:.0}%", ratio * 100.0),
+            "≥ 90%",
+            Some(ratio >= 0.9),
         ),
     ]
 }
