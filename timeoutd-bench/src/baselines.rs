@@ -149,7 +149,7 @@ pub(crate) async fn baseline_delete(env: &Env, n: usize) -> Result<DeleteBaselin
     let ids = fresh_ids(n);
     let started = Instant::now();
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    insert_due(&mut tx, &env.table(), &env.queue, &ids, None).await?;
+    insert_due(&mut tx, &env.table(), &env.queue, &ids, Deadline::At(None)).await?;
     tx.commit().await?;
     let insert_rows_per_sec = n as f64 / started.elapsed().as_secs_f64();
     analyze(env).await?;

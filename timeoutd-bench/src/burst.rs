@@ -41,7 +41,14 @@ pub(crate) async fn burst(
     let before = daemon.scrape().await?;
     let started = Instant::now();
     let mut tx = env.pool.begin().await?;
-    insert_due(&mut tx, &env.table(), &env.queue, &ids, Some(t0)).await?;
+    insert_due(
+        &mut tx,
+        &env.table(),
+        &env.queue,
+        &ids,
+        Deadline::At(Some(t0)),
+    )
+    .await?;
     tx.commit().await?;
     let insert_secs = started.elapsed().as_secs_f64();
     let start = t0.max(Utc::now());

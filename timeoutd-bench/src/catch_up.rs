@@ -45,7 +45,14 @@ pub(crate) async fn catch_up(
     let before = daemon.scrape().await?;
     let started = Instant::now();
     let mut tx = env.pool.begin().await?;
-    insert_overdue(&mut tx, &env.table(), &env.queue, &backlog, OUTAGE_SECS).await?;
+    insert_due(
+        &mut tx,
+        &env.table(),
+        &env.queue,
+        &backlog,
+        Deadline::OverdueUpTo(OUTAGE_SECS),
+    )
+    .await?;
     tx.commit().await?;
     let committed = Utc::now();
     let insert_secs = started.elapsed().as_secs_f64();

@@ -3,67 +3,50 @@
 use crate::prelude::*;
 use crate::*;
 
-/// Insert `ids` (one transaction per call) due at `due` (`None`: already due, a second ago).
+/// When the rows of one insert are due.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Deadline {
+    /// All at this instant (`None`: already due, a second ago).
+    At(Option<DateTime<Utc>>),
+    /// Each overdue by up to this many seconds, uniformly at random: as if the database
+    /// had been away that long.
+    OverdueUpTo(f64),
+}
+
+/// Insert `ids` (in chunks of one statement each, on `conn`: one transaction when the
+/// caller opened one) due as `deadline` says.
 pub(crate) async fn insert_due(
     conn: &mut PgConnection,
     table: &str,
     queue: &str,
     ids: &[Uuid],
-    due: Option<DateTime<Utc>>,
+    deadline: Deadline,
 ) -> Result<()> {
+    let due = match deadline {
+        Deadline::At(_) => "coalesce($2::timestamptz, now() - interval '1 second')",
+        Deadline::OverdueUpTo(_) => "now() - make_interval(secs => $2::float8 * random())",
+    };
     let sql = format!(
         "INSERT INTO {table} (id, process_id, message_type, timeout_at, exchange, \
          routing_key, payload) \
-         SELECT u.id, 'bench-' || ($4 + u.ord), 'BenchExpected', \
-                coalesce($2, now() - interval '1 second'), '', $3, \
+         SELECT u.id, 'bench-' || ($4 + u.ord), 'BenchExpected', {due}, '', $3, \
                 jsonb_build_object('i', $4 + u.ord) \
          FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, ord)"
     );
     for (i, chunk) in ids.chunks(INSERT_CHUNK).enumerate() {
         let offset = i64::try_from(i * INSERT_CHUNK)?;
-        sqlx::query(AssertSqlSafe(sql.clone()))
-            .bind(chunk)
-            .bind(due)
-            .bind(queue)
-            .bind(offset)
-            .execute(&mut *conn)
-            .await?;
+        let query = sqlx::query(AssertSqlSafe(sql.clone())).bind(chunk);
+        let query = match deadline {
+            Deadline::At(at) => query.bind(at),
+            Deadline::OverdueUpTo(secs) => query.bind(secs),
+        };
+        query.bind(queue).bind(offset).execute(&mut *conn).await?;
     }
     Ok(())
 }
 
 pub(crate) fn fresh_ids(n: usize) -> Vec<Uuid> {
     (0..n).map(|_| Uuid::new_v4()).collect()
-}
-
-/// Insert `ids` overdue by up to `secs` seconds each (uniformly at random): as if the
-/// database had been away that long; one transaction per call.
-pub(crate) async fn insert_overdue(
-    conn: &mut PgConnection,
-    table: &str,
-    queue: &str,
-    ids: &[Uuid],
-    secs: f64,
-) -> Result<()> {
-    let sql = format!(
-        "INSERT INTO {table} (id, process_id, message_type, timeout_at, exchange, \
-         routing_key, payload) \
-         SELECT u.id, 'overdue-' || ($4 + u.ord), 'BenchExpected', \
-                now() - make_interval(secs => $2 * random()), '', $3, \
-                jsonb_build_object('i', $4 + u.ord) \
-         FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, ord)"
-    );
-    for (i, chunk) in ids.chunks(INSERT_CHUNK).enumerate() {
-        let offset = i64::try_from(i * INSERT_CHUNK)?;
-        sqlx::query(AssertSqlSafe(sql.clone()))
-            .bind(chunk)
-            .bind(secs)
-            .bind(queue)
-            .bind(offset)
-            .execute(&mut *conn)
-            .await?;
-    }
-    Ok(())
 }
 
 /// Insert one row per `(id, due)` in one statement (the steady inserter's tick).
