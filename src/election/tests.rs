@@ -1220,7 +1220,9 @@ fn a_quiet_node_never_takes_the_role_on_hearing_the_lower_ones_leave() {
     for n in &mut lowest {
         n.leave(left);
         let bye = sends(&drain(n))[0];
-        nodes.iter_mut().for_each(|q| q.step(left, heard_as(n.id(), bye)));
+        nodes
+            .iter_mut()
+            .for_each(|q| q.step(left, heard_as(n.id(), bye)));
     }
     assert!(active_ids(&nodes).is_empty(), "quiet nodes wait for a tick");
     // They knew only the announcers: each probes and settles before acting.
@@ -1237,37 +1239,36 @@ fn a_quiet_node_never_takes_the_role_on_hearing_the_lower_ones_leave() {
     assert!(now - left <= TICK + Duration::from_secs(3));
 }
 
-#[test]
-fn a_newcomer_probe_is_answered_only_by_announcers() {
+/// Which nodes of a settled group of six send something at the tick after `probe`.
+fn who_answers(probe: Heard) -> (Vec<bool>, Vec<Election>) {
     let t0 = Instant::now();
     let (mut nodes, mut now) = group_of(6, &[LOWEST3], t0);
-    let probe = Heard {
-        probe: true,
-        ..heard(id(9))
-    };
     nodes.iter_mut().for_each(|n| n.step(now, probe));
     drain_all(&mut nodes);
     // Before anyone's periodic announcement is due: only answers go out.
     now += TICK;
     nodes.iter_mut().for_each(|n| n.tick(now));
-    let answered: Vec<bool> = nodes.iter_mut().map(|n| !drain(n).is_empty()).collect();
+    let answered = nodes.iter_mut().map(|n| !drain(n).is_empty()).collect();
+    (answered, nodes)
+}
+
+#[test]
+fn a_newcomer_probe_is_answered_only_by_announcers() {
+    let (answered, _) = who_answers(Heard {
+        probe: true,
+        ..heard(id(9))
+    });
     assert_eq!(answered, [true, true, true, false, false, false]);
 }
 
 #[test]
 fn an_observer_probe_is_answered_by_every_node() {
-    let t0 = Instant::now();
-    let (mut nodes, mut now) = group_of(6, &[LOWEST3], t0);
-    let observer = Heard {
+    let (answered, nodes) = who_answers(Heard {
         probe: true,
         leaving: true,
         ..heard(id(99))
-    };
-    nodes.iter_mut().for_each(|n| n.step(now, observer));
-    drain_all(&mut nodes);
-    now += TICK;
-    nodes.iter_mut().for_each(|n| n.tick(now));
-    assert!(nodes.iter_mut().all(|n| !sends(&drain(n)).is_empty()));
+    });
+    assert_eq!(answered, [true; 6]);
     assert!(nodes[3].is_quiet(), "answering does not make it loud");
 }
 

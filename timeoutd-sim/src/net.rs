@@ -48,14 +48,18 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
 
-    #[test]
-    fn loss_and_duplication_follow_their_fractions() {
-        let links = Links {
+    fn links(loss: f64, duplicate: f64) -> Links {
+        Links {
             base: Duration::from_millis(1),
             jitter: Duration::from_millis(50),
-            loss: 0.1,
-            duplicate: 0.05,
-        };
+            loss,
+            duplicate,
+        }
+    }
+
+    #[test]
+    fn loss_and_duplication_follow_their_fractions() {
+        let links = links(0.1, 0.05);
         let mut rng = StdRng::seed_from_u64(7);
         let copies: Vec<usize> = (0..100_000).map(|_| links.copies(&mut rng).len()).collect();
         let lost = copies.iter().filter(|c| **c == 0).count() as f64 / 1e5;
@@ -66,12 +70,7 @@ mod tests {
 
     #[test]
     fn delays_stay_within_base_and_jitter() {
-        let links = Links {
-            base: Duration::from_millis(1),
-            jitter: Duration::from_millis(50),
-            loss: 0.0,
-            duplicate: 0.0,
-        };
+        let links = links(0.0, 0.0);
         let mut rng = StdRng::seed_from_u64(1);
         for _ in 0..10_000 {
             let d = links.copies(&mut rng)[0];

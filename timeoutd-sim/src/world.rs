@@ -36,12 +36,26 @@ struct Slot {
 
 #[derive(Debug, Clone, Copy)]
 enum Event {
-    Tick { slot: usize, inc: u32 },
-    Deliver { slot: usize, inc: u32, sent: Ns, heard: Heard },
-    Start { slot: usize },
+    Tick {
+        slot: usize,
+        inc: u32,
+    },
+    Deliver {
+        slot: usize,
+        inc: u32,
+        sent: Ns,
+        heard: Heard,
+    },
+    Start {
+        slot: usize,
+    },
     Disrupt,
-    Heal { slot: usize },
-    Resume { slot: usize },
+    Heal {
+        slot: usize,
+    },
+    Resume {
+        slot: usize,
+    },
 }
 
 /// An event at its time; `seq` keeps equal times in scheduling order (deterministic).
@@ -302,8 +316,7 @@ impl<'a> World<'a> {
     fn recount(&mut self, slot: usize) {
         let s = &mut self.slots[slot];
         let active = !s.paused
-            && s
-                .election
+            && s.election
                 .as_ref()
                 .is_some_and(|e| e.role() == Role::Active);
         if active == s.active {
