@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::election::Timing;
+use crate::election::{Rule, Timing};
 
 mod secret_url;
 pub use secret_url::SecretUrl;
@@ -129,6 +129,19 @@ pub struct Election {
     pub max_lag: Option<Duration>,
     #[serde(deserialize_with = "optional_duration", serialize_with = "ser_opt_dur")]
     pub max_lag_exit: Option<Duration>,
+    /// Who announces every interval (see `election::Rule`).
+    pub rule: AnnounceRule,
+    /// With rule `lowest`: how many of the lowest candidates announce.
+    pub announcers: u32,
+}
+
+/// `election.rule`: `lowest` (O(N) deliveries per interval) or `all` (every node
+/// announces, as earlier versions do: O(N²)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AnnounceRule {
+    Lowest,
+    All,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -262,6 +275,9 @@ impl Settings {
             ));
         }
         self.validate_durations()?;
+        // Two at least: the active node's successor must hear it every interval to take
+        // over within member_ttl + tick, as with every node announcing.
+        check_range("election.announcers", self.election.announcers, 2, 100)?;
         check_range("scan.batch_size", self.scan.batch_size, 1, 10_000)?;
         check_range("scan.concurrency", self.scan.concurrency, 1, 16)?;
         if self.scan.fresh_slots >= self.scan.concurrency {
@@ -448,6 +464,13 @@ impl Settings {
         let mut t = Timing::new(e.announce_interval, e.member_ttl);
         t.max_lag = e.max_lag.unwrap_or(t.max_lag);
         t.max_lag_exit = e.max_lag_exit.unwrap_or(t.max_lag_exit);
+        t.rule = match e.rule {
+            AnnounceRule::All => Rule::All,
+            AnnounceRule::Lowest => Rule::Lowest {
+                // At most 100 (validated): fits any usize.
+                announcers: e.announcers as usize,
+            },
+        };
         t
     }
 

@@ -21,7 +21,10 @@
 //!   or its own announcements coming back later than `max_lag` (the "suicidal snail",
 //!   which also asks to exit when the lag persists past `max_lag_exit`). When the last
 //!   cause clears it rejoins like a newcomer: probe, then settle;
-//! - a probe is answered at the next tick, once, however many probes arrived.
+//! - a probe is answered at the next tick, once, however many probes arrived;
+//! - with [`Rule::Lowest`] (the default) only the nodes that know fewer than `k` lower
+//!   live candidates announce, so announcement traffic grows as O(N) instead of O(N²);
+//!   see [`Rule`] for why that keeps every guarantee.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
@@ -29,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-/// Timing knobs of the election; validated by `config`.
+/// Timing knobs of the election, and who announces; validated by `config`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timing {
     pub announce_interval: Duration,
@@ -38,17 +41,56 @@ pub struct Timing {
     pub max_lag: Duration,
     /// A node lagging continuously for this long asks to exit.
     pub max_lag_exit: Duration,
+    pub rule: Rule,
 }
 
 impl Timing {
-    /// Timing with `max_lag` at half of `member_ttl` and `max_lag_exit` at 3 × `member_ttl`.
+    /// Timing with `max_lag` at half of `member_ttl`, `max_lag_exit` at 3 × `member_ttl`
+    /// and the default [`Rule`].
     pub fn new(announce_interval: Duration, member_ttl: Duration) -> Self {
         Self {
             announce_interval,
             member_ttl,
             max_lag: member_ttl / 2,
             max_lag_exit: member_ttl * 3,
+            rule: Rule::default(),
         }
+    }
+}
+
+/// Who announces every interval (and answers newcomers' probes).
+///
+/// With `All` every node does: each interval costs N announcements × N deliveries (the
+/// topic exchange hands each to every member). With `Lowest { announcers: k }` a node
+/// announces only while it is active or knows fewer than `k` lower live settled
+/// candidates; the others are *quiet*. In a steady group the `k` lowest announce: k·N
+/// deliveries per interval. It keeps the guarantees because:
+/// - a quiet node knows a lower live candidate, so it is passive; the active node and
+///   its `k - 1` successors announce exactly as before, so a crash or a graceful leave
+///   of the active node is taken over by the next one in the same time as with `All`
+///   (hence `k` ≥ 2);
+/// - a quiet node never takes the role before announcing again: once fewer than `k`
+///   lower candidates are live in its view (expired after `member_ttl`, or `leaving`)
+///   it announces at the next tick, and when it knows no lower candidate at all (all `k`
+///   gone at once, or it was cut off) it probes and settles first, keeping its view,
+///   so that nodes quiet until now hear each other before one of them acts;
+/// - observers' probes (`probe` + `leaving`, e.g. `timeoutd members`) are answered by
+///   every node, quiet or not, so the whole group stays visible.
+///
+/// No wire change: nodes of the previous version (which follow `All`) hear the
+/// announcers, which are the lowest live candidates, so they elect the same node; they
+/// never hear quiet nodes, which are never the lowest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// Every node announces every interval (the rule of earlier versions).
+    All,
+    /// Only the nodes among the `announcers` lowest live candidates they know announce.
+    Lowest { announcers: usize },
+}
+
+impl Default for Rule {
+    fn default() -> Self {
+        Rule::Lowest { announcers: 3 }
     }
 }
 
@@ -264,6 +306,10 @@ pub struct Election {
     causes: Causes,
     /// A probe from another node awaits our answer, sent at the next tick.
     answer_due: bool,
+    /// An observer's probe awaits our answer; quiet nodes answer these too.
+    observer_due: bool,
+    /// Not announcing (see [`Rule::Lowest`]); decided at each tick.
+    quiet: bool,
     outputs: VecDeque<Output>,
 }
 
@@ -284,6 +330,8 @@ impl Election {
             silent_warned: false,
             causes: Causes::default(),
             answer_due: false,
+            observer_due: false,
+            quiet: false,
             outputs: VecDeque::new(),
         };
         e.settle(now);
@@ -305,6 +353,11 @@ impl Election {
     /// Neither withdrawn nor leaving: this node may hold the role once settled.
     pub fn is_candidate(&self) -> bool {
         matches!(self.phase, Phase::Settling { .. } | Phase::Settled)
+    }
+
+    /// Not announcing, because enough lower live candidates are known (see [`Rule`]).
+    pub fn is_quiet(&self) -> bool {
+        self.quiet
     }
 
     /// The lowest candidate id: settled, not withdrawn live members, and this node while
@@ -344,14 +397,19 @@ impl Election {
         self.last_tick = now;
         self.expire(now);
         self.check_silence(now);
+        let mut settled_now = false;
         if let Phase::Settling { until } = self.phase
             && now >= until
         {
             self.phase = Phase::Settled;
-            self.queue_announce();
+            settled_now = true;
         }
         self.recompute();
-        if self.answer_due || now >= self.next_announce {
+        if self.update_quiet(now) {
+            return;
+        }
+        let due = settled_now || self.answer_due || now >= self.next_announce;
+        if self.observer_due || (due && !self.quiet) {
             self.queue_announce();
         }
     }
@@ -369,6 +427,7 @@ impl Election {
         if heard.from != self.me {
             // Answered at the next tick, so a flood of probes costs one answer per tick.
             self.answer_due |= heard.probe;
+            self.observer_due |= heard.probe && heard.leaving && !heard.withdrawn;
             self.settle_early_on_active_answer(heard);
         }
         self.recompute();
@@ -493,6 +552,7 @@ impl Election {
         self.view_since = now;
         self.last_tick = now;
         self.last_heard = now;
+        self.quiet = false;
         if self.phase == Phase::Withdrawn {
             self.queue_announce();
         } else {
@@ -564,7 +624,12 @@ impl Election {
     fn settle_early_on_active_answer(&mut self, heard: Heard) {
         if heard.active && !heard.probe && matches!(self.phase, Phase::Settling { .. }) {
             self.phase = Phase::Settled;
-            self.queue_announce();
+            match self.timing.rule {
+                Rule::All => self.queue_announce(),
+                // At the next tick, when the other announcers' answers are in too: a
+                // newcomer that knows enough lower candidates by then stays quiet.
+                Rule::Lowest { .. } => self.next_announce = self.last_tick,
+            }
         }
     }
 
@@ -580,11 +645,49 @@ impl Election {
         member.into_iter().chain(me).min()
     }
 
+    /// Settled, not withdrawn live members with a lower id than ours.
+    fn lower_settled_candidates(&self) -> usize {
+        self.members
+            .range(..self.me)
+            .filter(|(_, m)| !m.withdrawn && !m.probing)
+            .count()
+    }
+
+    /// Whether this node should announce now under its rule. The active node always
+    /// does; so does a settling one (its probe is how it learns the group).
+    fn loud(&self) -> bool {
+        match self.timing.rule {
+            Rule::All => true,
+            Rule::Lowest { announcers } => {
+                self.role == Role::Active
+                    || matches!(self.phase, Phase::Settling { .. })
+                    || self.lower_settled_candidates() < announcers
+            }
+        }
+    }
+
+    /// Decide, at a tick, whether the node is quiet. A quiet node that must speak again
+    /// and knows no lower candidate at all probes and settles before it may act: its view
+    /// held only the announcers, so other quiet nodes may be lower. True when it did.
+    fn update_quiet(&mut self, now: Instant) -> bool {
+        let quiet = !self.loud();
+        let was_quiet = std::mem::replace(&mut self.quiet, quiet);
+        if !was_quiet || self.quiet || self.phase != Phase::Settled {
+            return false;
+        }
+        if self.lower_settled_candidates() > 0 {
+            return false;
+        }
+        self.settle(now);
+        true
+    }
+
     /// Asymmetric on purpose: to *take* the role a node defers to every live lower
     /// candidate, settling or not (nodes started together must not all act); to *keep*
     /// it, only a settled lower member counts (a newcomer's probe must not leave the
     /// group without an active node while the newcomer settles). Withdrawn members
-    /// count for neither.
+    /// count for neither. A quiet node never takes the role: it speaks (and, knowing
+    /// nobody lower, settles) at its next tick first.
     fn recompute(&mut self) {
         if self.phase != Phase::Settled {
             return;
@@ -593,6 +696,9 @@ impl Election {
         let lowest = self
             .lowest_candidate(settled_only, Some(self.me))
             .unwrap_or(self.me);
+        if lowest == self.me && self.quiet {
+            return;
+        }
         if lowest == self.me {
             self.set_role(Role::Active, Reason::Lowest);
         } else {
@@ -620,6 +726,7 @@ impl Election {
     fn queue_announce(&mut self) {
         self.next_announce = self.last_tick + self.timing.announce_interval;
         self.answer_due = false;
+        self.observer_due = false;
         self.outputs
             .retain(|o| !matches!(o, Output::Send(a) if a.withdrawn || !a.leaving));
         let withdrawn = self.phase == Phase::Withdrawn;

@@ -2,6 +2,8 @@
 //!
 //! The watcher is not a member: it sends a probe that also says `leaving`, so members
 //! answer at their next tick (probe) and nobody adds it to their view (leaving).
+//! Quiet members (election rule `lowest`) answer only such probes, so a watcher probes
+//! again every `member_ttl` to keep them in view.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -36,20 +38,13 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
         .await
         .context("connecting to RabbitMQ")?;
     let me = Uuid::new_v4();
-    let probe = Announcement {
-        node_id: me,
-        group: group.clone(),
-        sent_at: Utc::now(),
-        active: false,
-        leaving: true,
-        probe: true,
-        withdrawn: false,
-    };
-    bus.announce(&probe, settings.election.member_ttl).await?;
     let ttl = settings.election.member_ttl;
+    probe(&bus, me, group, ttl).await?;
     let refresh = settings.election.announce_interval;
     let mut seen: BTreeMap<Uuid, (Instant, Announcement, i64)> = BTreeMap::new();
     let mut next_print = Instant::now() + refresh.mul_f32(1.5);
+    // Half a ttl, so an answer lost now and then does not drop a quiet member.
+    let mut next_probe = Instant::now() + ttl / 2;
     loop {
         let wait = next_print.saturating_duration_since(Instant::now());
         tokio::select! {
@@ -58,6 +53,10 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
                 print(&view(&seen, ttl), args.json)?;
                 if args.once { break }
                 next_print = Instant::now() + refresh;
+                if Instant::now() >= next_probe {
+                    probe(&bus, me, group, ttl).await?;
+                    next_probe = Instant::now() + ttl / 2;
+                }
             }
             heard = announcements.next() => match heard {
                 Some(Ok(Ok(a))) => record(&mut seen, a, me),
@@ -70,6 +69,21 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
     }
     bus.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// An observer's probe: every member answers it, and nobody counts the watcher in.
+async fn probe(bus: &Bus, me: Uuid, group: &str, ttl: Duration) -> anyhow::Result<()> {
+    let probe = Announcement {
+        node_id: me,
+        group: group.to_owned(),
+        sent_at: Utc::now(),
+        active: false,
+        leaving: true,
+        probe: true,
+        withdrawn: false,
+    };
+    bus.announce(&probe, ttl).await?;
+    Ok(())
 }
 
 fn record(seen: &mut BTreeMap<Uuid, (Instant, Announcement, i64)>, a: Announcement, me: Uuid) {

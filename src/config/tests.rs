@@ -30,6 +30,15 @@ fn defaults_match_the_contract() {
     assert_eq!(s.http.listen, "127.0.0.1:9464");
     assert_eq!(s.log.format, LogFormat::Text);
     assert_eq!(s.timing().max_lag, Duration::from_millis(1500));
+    assert_eq!(s.timing().rule, Rule::Lowest { announcers: 3 });
+}
+
+#[test]
+fn the_announce_rule_is_configurable() {
+    let all = load(&[("TIMEOUTD__ELECTION__RULE", "all")]).expect("valid");
+    assert_eq!(all.timing().rule, Rule::All);
+    let five = load(&[("TIMEOUTD__ELECTION__ANNOUNCERS", "5")]).expect("valid");
+    assert_eq!(five.timing().rule, Rule::Lowest { announcers: 5 });
 }
 
 #[test]
@@ -119,6 +128,13 @@ fn invalid_values_are_refused_naming_the_key() {
             "election.announce_interval",
         ),
         ("TIMEOUTD__ELECTION__MAX_LAG", "5s", "election.max_lag"),
+        ("TIMEOUTD__ELECTION__ANNOUNCERS", "1", "election.announcers"),
+        (
+            "TIMEOUTD__ELECTION__ANNOUNCERS",
+            "101",
+            "election.announcers",
+        ),
+        ("TIMEOUTD__ELECTION__RULE", "some", "rule"),
         ("TIMEOUTD__SCAN__BATCH_SIZE", "0", "scan.batch_size"),
         ("TIMEOUTD__SCAN__BATCH_SIZE", "many", "batch_size"),
         ("TIMEOUTD__HTTP__LISTEN", "localhost", "http.listen"),

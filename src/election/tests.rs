@@ -1107,3 +1107,302 @@ fn the_lease_view_holds_only_while_active_and_fresh() {
     );
     assert_eq!(LeaseView::none(t0).check(t0 + MS), Lease::Stale);
 }
+
+// --- Who announces (Rule::Lowest, the default, and Rule::All) ---
+
+fn node_with(n: u8, rule: Rule, t0: Instant) -> Election {
+    let mut t = timing();
+    t.rule = rule;
+    Election::new(id(n), t, t0)
+}
+
+const LOWEST3: Rule = Rule::Lowest { announcers: 3 };
+
+/// Nodes 1..=n settled, each with its rule (from `rules`, cycling).
+fn group_of(n: u8, rules: &[Rule], t0: Instant) -> (Vec<Election>, Instant) {
+    let mut nodes: Vec<Election> = (1..=n)
+        .map(|i| node_with(i, rules[usize::from(i - 1) % rules.len()], t0))
+        .collect();
+    let mut now = t0;
+    run(&mut nodes, &mut now, Duration::from_secs(3), |_, _| {});
+    assert_eq!(active_ids(&nodes), vec![id(1)]);
+    (nodes, now)
+}
+
+/// Which nodes sent anything in `outputs`.
+fn senders(outputs: &[(Uuid, Output)]) -> std::collections::BTreeSet<Uuid> {
+    outputs
+        .iter()
+        .filter(|(_, o)| matches!(o, Output::Send(_)))
+        .map(|(from, _)| *from)
+        .collect()
+}
+
+fn ids(ns: &[u8]) -> std::collections::BTreeSet<Uuid> {
+    ns.iter().map(|n| id(*n)).collect()
+}
+
+#[test]
+fn the_default_rule_lets_the_three_lowest_announce() {
+    assert_eq!(timing().rule, LOWEST3);
+}
+
+#[test]
+fn in_a_settled_group_only_the_lowest_k_announce() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = group_of(8, &[LOWEST3], t0);
+    let out = run(&mut nodes, &mut now, Duration::from_secs(5), |_, _| {});
+    assert_eq!(senders(&out), ids(&[1, 2, 3]));
+    // Every interval, not more often: five announcements each in five seconds.
+    for n in [1, 2, 3] {
+        assert_eq!(sends(&of(&out, id(n))).len(), 5, "node {n}");
+    }
+    let quiet: Vec<bool> = nodes.iter().map(Election::is_quiet).collect();
+    assert_eq!(quiet, [false, false, false, true, true, true, true, true]);
+}
+
+#[test]
+fn with_rule_all_every_node_announces_every_interval() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = group_of(6, &[Rule::All], t0);
+    let out = run(&mut nodes, &mut now, Duration::from_secs(5), |_, _| {});
+    assert_eq!(senders(&out), ids(&[1, 2, 3, 4, 5, 6]));
+    assert!(nodes.iter().all(|n| !n.is_quiet()));
+}
+
+#[test]
+fn announcers_is_how_many_lowest_announce() {
+    for k in [2usize, 4, 5] {
+        let t0 = Instant::now();
+        let (mut nodes, mut now) = group_of(7, &[Rule::Lowest { announcers: k }], t0);
+        let out = run(&mut nodes, &mut now, Duration::from_secs(4), |_, _| {});
+        let expected: Vec<u8> = (1..=k as u8).collect();
+        assert_eq!(senders(&out), ids(&expected), "k = {k}");
+    }
+}
+
+#[test]
+fn a_quiet_node_announces_again_when_a_lower_one_expires() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = group_of(6, &[LOWEST3], t0);
+    nodes.remove(1); // node 2 crashes
+    let out = run(&mut nodes, &mut now, Duration::from_secs(5), |_, _| {});
+    // Node 4 is among the three lowest now; 5 and 6 hear it and stay quiet.
+    let after = run(&mut nodes, &mut now, Duration::from_secs(3), |_, _| {});
+    assert!(senders(&out).contains(&id(4)));
+    assert_eq!(senders(&after), ids(&[1, 3, 4]));
+    // Node 4 knew node 1 all along: it spoke as a settled member, never probed.
+    assert!(sends(&of(&out, id(4))).iter().all(|a| !a.probe));
+    assert_eq!(active_ids(&nodes), vec![id(1)]);
+}
+
+#[test]
+fn the_active_nodes_successor_takes_over_within_member_ttl_and_a_tick() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = group_of(8, &[LOWEST3], t0);
+    nodes.remove(0);
+    let crashed = now;
+    while active_ids(&nodes).is_empty() {
+        run(&mut nodes, &mut now, TICK, |_, _| {});
+        assert!(now - crashed <= Duration::from_secs(3) + TICK, "too slow");
+    }
+    assert_eq!(active_ids(&nodes), vec![id(2)]);
+}
+
+#[test]
+fn a_quiet_node_never_takes_the_role_on_hearing_the_lower_ones_leave() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = group_of(6, &[LOWEST3], t0);
+    // Long enough for the quiet ones to forget each other's start-up announcements.
+    run(&mut nodes, &mut now, Duration::from_secs(4), |_, _| {});
+    let mut lowest = nodes.drain(..3).collect::<Vec<_>>();
+    let left = now + MS;
+    for n in &mut lowest {
+        n.leave(left);
+        let bye = sends(&drain(n))[0];
+        nodes
+            .iter_mut()
+            .for_each(|q| q.step(left, heard_as(n.id(), bye)));
+    }
+    assert!(active_ids(&nodes).is_empty(), "quiet nodes wait for a tick");
+    // They knew only the announcers: each probes and settles before acting.
+    let out = run(&mut nodes, &mut now, TICK, |_, _| {});
+    for n in [4, 5, 6] {
+        assert!(sends(&of(&out, id(n))).iter().all(|a| a.probe), "node {n}");
+    }
+    let mut ever = std::collections::BTreeSet::new();
+    while now < left + Duration::from_secs(3) {
+        run(&mut nodes, &mut now, TICK, |_, _| {});
+        ever.extend(active_ids(&nodes));
+    }
+    assert_eq!(ever, ids(&[4]), "only the lowest left ever acts");
+    assert!(now - left <= TICK + Duration::from_secs(3));
+}
+
+/// Which nodes of a settled group of six send something at the tick after `probe`.
+fn who_answers(probe: Heard) -> (Vec<bool>, Vec<Election>) {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = group_of(6, &[LOWEST3], t0);
+    nodes.iter_mut().for_each(|n| n.step(now, probe));
+    drain_all(&mut nodes);
+    // Before anyone's periodic announcement is due: only answers go out.
+    now += TICK;
+    nodes.iter_mut().for_each(|n| n.tick(now));
+    let answered = nodes.iter_mut().map(|n| !drain(n).is_empty()).collect();
+    (answered, nodes)
+}
+
+#[test]
+fn a_newcomer_probe_is_answered_only_by_announcers() {
+    let (answered, _) = who_answers(Heard {
+        probe: true,
+        ..heard(id(9))
+    });
+    assert_eq!(answered, [true, true, true, false, false, false]);
+}
+
+#[test]
+fn an_observer_probe_is_answered_by_every_node() {
+    let (answered, nodes) = who_answers(Heard {
+        probe: true,
+        leaving: true,
+        ..heard(id(99))
+    });
+    assert_eq!(answered, [true; 6]);
+    assert!(nodes[3].is_quiet(), "answering does not make it loud");
+}
+
+fn drain_all(nodes: &mut [Election]) {
+    nodes.iter_mut().for_each(|n| {
+        drain(n);
+    });
+}
+
+#[test]
+fn a_newcomer_with_a_high_id_settles_quiet_without_a_settled_announcement() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = group_of(5, &[LOWEST3], t0);
+    nodes.push(node_with(9, LOWEST3, now));
+    let out = run(&mut nodes, &mut now, Duration::from_secs(4), |_, _| {});
+    let mine = sends(&of(&out, id(9)));
+    assert!(mine.iter().all(|a| a.probe), "only its probe: {mine:?}");
+    assert!(nodes[5].is_settled() && nodes[5].is_quiet());
+    assert_eq!(active_ids(&nodes), vec![id(1)]);
+}
+
+#[test]
+fn a_newcomer_lower_than_everyone_takes_over_and_the_third_goes_quiet() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = group_of(5, &[LOWEST3], t0);
+    nodes.push(node_with(0, LOWEST3, now));
+    run(&mut nodes, &mut now, Duration::from_secs(3), |_, _| {});
+    assert_eq!(active_ids(&nodes), vec![id(0)]);
+    let out = run(&mut nodes, &mut now, Duration::from_secs(3), |_, _| {});
+    assert_eq!(senders(&out), ids(&[0, 1, 2]));
+}
+
+#[test]
+fn a_withdrawn_announcer_is_replaced_by_the_next_quiet_node() {
+    let t0 = Instant::now();
+    let (mut nodes, mut now) = group_of(6, &[LOWEST3], t0);
+    let since = now;
+    let out = run(&mut nodes, &mut now, Duration::from_secs(5), |n, at| {
+        let failing = (n.id() == id(2)).then_some(since);
+        n.observe_health(at, failing);
+    });
+    let after = run(&mut nodes, &mut now, Duration::from_secs(3), |n, at| {
+        let failing = (n.id() == id(2)).then_some(since);
+        n.observe_health(at, failing);
+    });
+    assert!(senders(&out).contains(&id(4)));
+    // Node 2 still says it is withdrawn (it knows only node 1 lower).
+    assert_eq!(senders(&after), ids(&[1, 2, 3, 4]));
+    assert_eq!(active_ids(&nodes), vec![id(1)]);
+}
+
+#[test]
+fn a_mixed_group_of_old_and_new_rule_nodes_agrees_on_the_lowest() {
+    let t0 = Instant::now();
+    // Nodes 1, 3, 5 follow the old rule (they announce every interval).
+    let (mut nodes, mut now) = group_of(6, &[Rule::All, LOWEST3], t0);
+    let out = run(&mut nodes, &mut now, Duration::from_secs(3), |_, _| {});
+    assert_eq!(senders(&out), ids(&[1, 2, 3, 5]));
+    nodes.remove(0);
+    let mut ever = std::collections::BTreeSet::new();
+    while now < t0 + Duration::from_secs(12) {
+        run(&mut nodes, &mut now, TICK, |_, _| {});
+        ever.extend(active_ids(&nodes));
+    }
+    assert_eq!(ever, ids(&[2]), "the new-rule successor takes over, alone");
+    nodes.remove(0);
+    let mut ever = std::collections::BTreeSet::new();
+    while now < t0 + Duration::from_secs(18) {
+        run(&mut nodes, &mut now, TICK, |_, _| {});
+        ever.extend(active_ids(&nodes));
+    }
+    assert_eq!(ever, ids(&[3]), "then the old-rule one");
+}
+
+#[test]
+fn a_pause_makes_a_quiet_node_probe_again_like_a_newcomer() {
+    let t0 = Instant::now();
+    let (mut nodes, now) = group_of(5, &[LOWEST3], t0);
+    let resumed = now + Duration::from_secs(5);
+    nodes[4].tick(resumed);
+    assert!(!nodes[4].is_quiet() && !nodes[4].is_settled());
+    assert!(sends(&drain(&mut nodes[4])).iter().all(|a| a.probe));
+}
+
+mod rule_props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Whatever is lost and whoever crashes: a quiet node is passive, and once the
+        /// network is clean again the lowest live node alone acts and exactly the
+        /// `k` lowest announce.
+        #[test]
+        fn quiet_nodes_are_passive_and_the_group_recovers(
+            n in 3u8..10,
+            k in 2usize..5,
+            crashes in proptest::collection::vec(any::<bool>(), 10),
+            losses in proptest::collection::vec(any::<bool>(), 64),
+        ) {
+            let rule = Rule::Lowest { announcers: k };
+            let t0 = Instant::now();
+            let mut nodes: Vec<Election> = (1..=n).map(|i| node_with(i, rule, t0)).collect();
+            let mut now = t0;
+            let mut round = 0usize;
+            for step in 0..60 {
+                now += TICK;
+                nodes.iter_mut().for_each(|e| e.tick(now));
+                if step == 20 {
+                    let mut i = 0;
+                    nodes.retain(|_| { i += 1; !crashes[i - 1] || i == n as usize });
+                }
+                let mut wire = Vec::new();
+                for e in nodes.iter_mut() {
+                    let from = e.id();
+                    wire.extend(sends(&drain(e)).into_iter().map(|a| heard_as(from, a)));
+                }
+                for h in wire {
+                    for e in nodes.iter_mut() {
+                        round += 1;
+                        if !losses[round % losses.len()] || step >= 40 {
+                            e.step(now, h);
+                        }
+                    }
+                }
+                for e in &nodes {
+                    prop_assert!(!(e.is_quiet() && e.role() == Role::Active));
+                }
+            }
+            let out = run(&mut nodes, &mut now, Duration::from_secs(4), |_, _| {});
+            let lowest: Vec<Uuid> = nodes.iter().map(Election::id).take(k).collect();
+            prop_assert_eq!(active_ids(&nodes), vec![lowest[0]]);
+            prop_assert_eq!(senders(&out), lowest.into_iter().collect());
+        }
+    }
+}

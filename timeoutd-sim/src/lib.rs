@@ -1,0 +1,17 @@
+//! A deterministic simulator of timeoutd's election.
+//!
+//! It drives the real [`timeoutd::election::Election`] state machines (no copy of the
+//! rules) over a simulated topic exchange, in virtual time with a seeded RNG: an hour of
+//! a thousand nodes runs in seconds, and the same seed gives the same run. The network
+//! delays every delivery (a base plus uniform jitter, so messages reorder), loses and
+//! duplicates some; scenarios crash, pause, partition and restart nodes. [`measure`]
+//! turns the run into the numbers of the README table.
+
+pub mod measure;
+pub mod net;
+pub mod scenario;
+pub mod world;
+
+pub use measure::Report;
+pub use scenario::{Scenario, SimConfig, SimRule};
+pub use world::run;

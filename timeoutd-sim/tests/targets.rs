@@ -1,0 +1,175 @@
+//! The seeded set CI runs: small groups, a few simulated minutes per scenario, the
+//! issue's targets at that scale and the O(N) bound. Each run is deterministic.
+
+use std::time::Duration;
+
+use timeoutd_sim::{Report, Scenario, SimConfig, SimRule, run};
+
+fn config(nodes: usize, rule: SimRule, scenario: Scenario, loss: f64, jitter_ms: u64) -> SimConfig {
+    let mut cfg = SimConfig::new(nodes, rule, scenario, 42);
+    cfg.duration = Duration::from_secs(180);
+    cfg.links.loss = loss;
+    cfg.links.jitter = Duration::from_millis(jitter_ms);
+    cfg
+}
+
+fn sim(nodes: usize, rule: SimRule, scenario: Scenario, loss: f64, jitter_ms: u64) -> Report {
+    run(&config(nodes, rule, scenario, loss, jitter_ms))
+}
+
+/// member_ttl + 2 ticks with the default timing.
+const TAKEOVER_TARGET_S: f64 = 3.5;
+
+#[test]
+fn the_same_seed_gives_the_same_run() {
+    let a = sim(10, SimRule::New, Scenario::Churn, 0.05, 50);
+    let b = sim(10, SimRule::New, Scenario::Churn, 0.05, 50);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn new_rule_traffic_grows_linearly_old_rule_quadratically() {
+    for n in [3usize, 10, 30] {
+        let new = sim(n, SimRule::New, Scenario::None, 0.0, 0);
+        let old = sim(n, SimRule::Old, Scenario::None, 0.0, 0);
+        let n = n as f64;
+        // The three lowest announce, each to everyone.
+        assert!(new.deliveries_per_interval <= 3.0 * n + 1.0, "{new:?}");
+        assert!(
+            (old.deliveries_per_interval - n * n).abs() <= 1.0,
+            "{old:?}"
+        );
+    }
+}
+
+#[test]
+fn without_faults_exactly_one_node_is_active() {
+    for rule in [SimRule::Old, SimRule::New] {
+        for n in [3, 10] {
+            let r = sim(n, rule, Scenario::None, 0.0, 0);
+            assert_eq!(r.zero_active_fraction, 0.0, "{r:?}");
+            assert_eq!(r.multi_active_fraction, 0.0, "{r:?}");
+        }
+    }
+}
+
+#[test]
+fn one_percent_loss_and_50ms_jitter_meet_the_targets() {
+    for rule in [SimRule::Old, SimRule::New] {
+        for n in [3, 10] {
+            let r = sim(n, rule, Scenario::Loss, 0.01, 50);
+            assert!(r.zero_active_fraction < 0.01, "{r:?}");
+            assert!(r.multi_active_fraction < 0.001, "{r:?}");
+            assert!(r.deliveries_per_interval <= 10.0 * n as f64, "{r:?}");
+        }
+    }
+}
+
+#[test]
+fn five_percent_loss_stays_within_the_traffic_bound() {
+    let r = sim(10, SimRule::New, Scenario::Loss, 0.05, 50);
+    assert!(r.deliveries_per_interval <= 10.0 * 10.0, "{r:?}");
+    assert!(r.zero_active_fraction < 0.01, "{r:?}");
+}
+
+#[test]
+fn after_the_lowest_crashes_one_node_is_active_within_ttl_and_two_ticks() {
+    for rule in [SimRule::Old, SimRule::New] {
+        for n in [3, 10] {
+            let r = sim(n, rule, Scenario::CrashLowest, 0.01, 50);
+            assert!(r.takeovers >= 15, "{r:?}");
+            assert!(r.takeover_p99_s <= TAKEOVER_TARGET_S, "{r:?}");
+        }
+    }
+}
+
+/// The new rule may not make a disrupted group worse than the old one (a little noise
+/// allowed: the two runs take different random paths).
+fn no_worse(new: &Report, old: &Report) {
+    assert!(
+        new.zero_active_fraction <= old.zero_active_fraction * 1.25 + 0.005,
+        "{new:?}\nvs {old:?}"
+    );
+    assert!(
+        new.multi_active_fraction <= old.multi_active_fraction * 1.25 + 0.001,
+        "{new:?}\nvs {old:?}"
+    );
+}
+
+#[test]
+fn rolling_restarts_hand_over_in_time() {
+    for n in [3, 10] {
+        let old = sim(n, SimRule::Old, Scenario::RollingRestart, 0.01, 50);
+        let new = sim(n, SimRule::New, Scenario::RollingRestart, 0.01, 50);
+        for r in [&old, &new] {
+            // A lost `leaving` costs a member_ttl; with three nodes the successor may
+            // itself be settling after its own restart.
+            assert!(r.takeover_p99_s <= TAKEOVER_TARGET_S, "{r:?}");
+            assert!(r.zero_active_fraction < 0.03, "{r:?}");
+            // Two active only while a lower newcomer's settled announcement travels
+            // (or, when lost, for one interval).
+            assert!(r.longest_multi_active_s <= 1.1, "{r:?}");
+        }
+        no_worse(&new, &old);
+    }
+}
+
+#[test]
+fn a_rolling_deploy_from_old_to_new_nodes_keeps_one_active_node() {
+    let mut cfg = config(10, SimRule::New, Scenario::RollingRestart, 0.01, 50);
+    cfg.old_nodes = 10;
+    let mixed = run(&cfg);
+    assert!(mixed.takeover_p99_s <= TAKEOVER_TARGET_S, "{mixed:?}");
+    assert!(mixed.zero_active_fraction < 0.01, "{mixed:?}");
+    // Two active only while a lower node's announcement travels, or for one interval
+    // when it is lost. (Measured: more such stretches than with old nodes only, see
+    // the README; bounded here, not hidden.)
+    assert!(mixed.longest_multi_active_s <= 1.1, "{mixed:?}");
+    assert!(mixed.multi_active_fraction < 0.01, "{mixed:?}");
+}
+
+#[test]
+fn a_mixed_group_with_crashes_takes_over_in_time() {
+    let mut cfg = config(10, SimRule::New, Scenario::CrashLowest, 0.01, 50);
+    cfg.old_nodes = 5;
+    let r = run(&cfg);
+    assert!(r.takeover_p99_s <= TAKEOVER_TARGET_S, "{r:?}");
+    assert!(r.longest_multi_active_s <= 1.1, "{r:?}");
+}
+
+#[test]
+fn a_partitioned_lowest_node_is_replaced_in_time() {
+    for rule in [SimRule::Old, SimRule::New] {
+        let r = sim(10, rule, Scenario::PartitionLowest, 0.0, 0);
+        assert!(r.takeover_p99_s <= TAKEOVER_TARGET_S, "{r:?}");
+        // The cut-off node acts alone while cut off (by design): bounded by the cut.
+        assert!(r.longest_multi_active_s <= 5.0, "{r:?}");
+    }
+}
+
+#[test]
+fn a_paused_lowest_node_is_replaced_in_time_and_takes_back_the_role_cleanly() {
+    let old = sim(10, SimRule::Old, Scenario::PauseLowest, 0.01, 50);
+    let new = sim(10, SimRule::New, Scenario::PauseLowest, 0.01, 50);
+    for r in [&old, &new] {
+        assert!(r.takeover_p99_s <= TAKEOVER_TARGET_S, "{r:?}");
+        // Resumed, it settles again and takes the role back as the lowest id: two
+        // active only while that announcement travels (one interval when it is lost).
+        assert!(r.longest_multi_active_s <= 1.1, "{r:?}");
+    }
+    no_worse(&new, &old);
+}
+
+#[test]
+fn churn_keeps_the_group_working_under_both_rules() {
+    let old = sim(10, SimRule::Old, Scenario::Churn, 0.01, 50);
+    let new = sim(10, SimRule::New, Scenario::Churn, 0.01, 50);
+    for r in [&old, &new] {
+        // A disruption every second on ten nodes: mostly the active node crashing or
+        // pausing (zero active until the takeover), and lower newcomers taking over.
+        assert!(r.zero_active_fraction < 0.2, "{r:?}");
+        assert!(r.multi_active_fraction < 0.01, "{r:?}");
+        assert!(r.longest_multi_active_s <= 1.1, "{r:?}");
+    }
+    assert!(new.deliveries_per_interval <= 10.0 * 10.0, "{new:?}");
+}
