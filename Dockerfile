@@ -17,18 +17,22 @@ WORKDIR /build
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY timeoutd-client/Cargo.toml timeoutd-client/
 COPY timeoutd-bench/Cargo.toml timeoutd-bench/
+COPY timeoutd-sim/Cargo.toml timeoutd-sim/
 RUN mkdir -p src examples migrations config timeoutd-client/src timeoutd-bench/src \
+    timeoutd-sim/src/bin \
  && echo 'fn main() {}' > src/main.rs \
  && echo 'fn main() {}' > examples/consume.rs \
  && : > src/lib.rs \
  && : > timeoutd-client/src/lib.rs \
  && echo 'fn main() {}' > timeoutd-bench/src/main.rs \
+ && : > timeoutd-sim/src/lib.rs \
+ && echo 'fn main() {}' > timeoutd-sim/src/bin/election-sim.rs \
  && cargo build --release --locked -p timeoutd --bin timeoutd --example consume \
  && rm -rf src examples timeoutd-client/src
 
 # 2. The real sources. COPY keeps the files' original mtimes, which may be
 #    older than the dummy build above, so touch them to force a rebuild. (The
-#    benchmark crate is a workspace member only: its dummy stays.)
+#    benchmark and simulator crates are workspace members only: their dummies stay.)
 COPY src/ src/
 COPY timeoutd-client/src/ timeoutd-client/src/
 COPY examples/ examples/
