@@ -394,7 +394,9 @@ async fn a_redelivered_message_is_stored_and_delivered_once() {
         routing_key: "k".into(),
         properties: Properties {
             message_id: Some("once".into()),
-            headers: vec![("x-delay".into(), Value::I32(1500))],
+            // Long enough to be still pending when the redelivery arrives, however
+            // quickly the node becomes active: "stored once" is a promise while pending.
+            headers: vec![("x-delay".into(), Value::I32(5000))],
             ..Properties::default()
         },
         body: b"once".to_vec(),
@@ -413,9 +415,9 @@ async fn a_redelivered_message_is_stored_and_delivered_once() {
     let (_conn, ch) = publisher().await;
     let again = BasicProperties::default()
         .with_message_id("once".into())
-        .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(1500))]));
+        .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(5000))]));
     publish(&ch, &world.ingress(), "k", again, b"once").await;
-    wait_for(Duration::from_secs(15), "the message", || inbox.len() == 1).await;
+    wait_for(Duration::from_secs(20), "the message", || inbox.len() == 1).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(inbox.len(), 1, "delivered once");
     assert_eq!(count(&world, "true").await, 0);
