@@ -42,8 +42,15 @@ for n in 3 10 100 1000; do
     --jitter 50ms --seconds "$s" --seed 1 |
     jq -c '. + {row: "rolling deploy, old → new"}' >>"$out"
 done
-"$sim" --nodes 1000 --rule new --scenario crash-lowest --loss 1% --jitter 50ms \
-  --seconds "$seconds" --seed 2 | jq -c '. + {row: "crash of the lowest (long run)"}' >>"$out"
+# N = 1000 under the new rule, as long as the small groups.
+for row in "5% loss, 50 ms jitter|loss" "rolling restarts|rolling-restart" \
+  "partition of the lowest|partition-lowest" "crash of the lowest|crash-lowest"; do
+  IFS='|' read -r name scenario <<<"$row"
+  loss=1%
+  [ "$scenario" = loss ] && loss=5%
+  "$sim" --nodes 1000 --rule new --scenario "$scenario" --loss "$loss" --jitter 50ms \
+    --seconds "$seconds" --seed 2 | jq -c --arg name "$name (long run)" '. + {row: $name}' >>"$out"
+done
 echo "| scenario | N | rule | s | 0 active | ≥2 active | longest 0 s | longest ≥2 s | deliveries / interval | per node / s | takeovers | p50 s | p99 s | max s |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 jq -r '"| \(.row) | \(.nodes) | \(if .old_nodes > 0 then "mixed" else .rule end) | \(.seconds) | \(.zero_active_fraction * 100 | . * 1000 | round / 1000)% | \(.multi_active_fraction * 100 | . * 1000 | round / 1000)% | \(.longest_zero_active_s * 100 | round / 100) | \(.longest_multi_active_s * 100 | round / 100) | \(.deliveries_per_interval | round) | \(.deliveries_per_node_per_s * 10 | round / 10) | \(.takeovers) | \(.takeover_p50_s * 100 | round / 100) | \(.takeover_p99_s * 100 | round / 100) | \(.takeover_max_s * 100 | round / 100) |"' "$out"
