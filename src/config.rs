@@ -65,8 +65,12 @@ pub struct Delay {
     pub exchange: String,
     /// Where a message goes when it names no exchange of its own.
     pub target_exchange: String,
-    /// Unacknowledged messages a node holds at once (also its largest insert).
+    /// Unacknowledged messages a node holds at once.
     pub prefetch: u16,
+    /// Ingest transactions a node runs at once; each inserts at most
+    /// `prefetch / ingest_concurrency` messages, so the broker keeps delivering while
+    /// the previous batch commits.
+    pub ingest_concurrency: u8,
     /// Larger bodies are kept, held as failing, never delivered.
     pub max_body: bytesize::ByteSize,
     /// How long a cancel message is remembered: its message arriving later (through
@@ -318,6 +322,12 @@ impl Settings {
         if self.delay.prefetch == 0 {
             return Err(ConfigError::invalid("delay.prefetch", "must be 1 to 65535"));
         }
+        if !(1..=MAX_INGEST_CONCURRENCY).contains(&self.delay.ingest_concurrency) {
+            return Err(ConfigError::invalid(
+                "delay.ingest_concurrency",
+                format!("must be 1 to {MAX_INGEST_CONCURRENCY}"),
+            ));
+        }
         if !(Duration::from_secs(1)..=MAX_CANCEL_TTL).contains(&self.delay.cancel_ttl) {
             return Err(ConfigError::invalid(
                 "delay.cancel_ttl",
@@ -524,6 +534,8 @@ fn check_ca_file(key: &str, path: Option<&Path>) -> Result<(), ConfigError> {
 
 /// A year and a day: longer would only keep forgotten cancels.
 const MAX_CANCEL_TTL: Duration = Duration::from_secs(366 * 24 * 3600);
+/// More parallel inserts than this only compete for the database's cores and the pool.
+const MAX_INGEST_CONCURRENCY: u8 = 16;
 
 fn check_range(key: &str, v: u32, min: u32, max: u32) -> Result<(), ConfigError> {
     if !(min..=max).contains(&v) {

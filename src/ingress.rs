@@ -9,11 +9,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
+use futures_util::stream::FuturesOrdered;
+
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::bus::{Arrived, Bus, Ingress, IngressSpec};
+use crate::bus::{Arrived, Bus, BusError, Ingress, IngressSpec};
 use crate::config::Settings;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{IngressStatus, Probe};
@@ -135,41 +138,69 @@ async fn next_bus(
     }
 }
 
-async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
-    let rules = ctx.rules();
-    let max = usize::from(ctx.settings.delay.prefetch);
-    loop {
-        let batch = tokio::select! {
-            _ = ctx.stop.cancelled() => {
-                ingress.close(CLOSE_LIMIT).await;
-                return Ended::Stop;
-            }
-            batch = ingress.next_batch(max) => batch,
-        };
-        let batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(error = %Chain(&e), "delay ingress lost its channel");
-                return Ended::BusLost;
-            }
-        };
-        if let Err(ended) = take_in(ctx, &ingress, batch, &rules).await {
-            ingress.close(CLOSE_LIMIT).await;
-            return ended;
-        }
-    }
+/// What the consume loop waits for next.
+enum Next {
+    Batch(Result<Vec<Arrived>, BusError>),
+    /// The tag that acknowledges the stored batch (`None`: it was empty).
+    Stored(Result<Option<u64>, Ended>),
 }
 
-/// Store one batch, then acknowledge it.
+/// Up to `delay.ingest_concurrency` batches are stored at once, so the broker keeps
+/// delivering while one commits; they are acknowledged in arrival order (`multiple`
+/// acknowledges every earlier delivery too), each once it and all before it are stored.
+async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
+    let rules = ctx.rules();
+    let depth = usize::from(ctx.settings.delay.ingest_concurrency);
+    let max = usize::from(ctx.settings.delay.prefetch).div_ceil(depth);
+    let mut storing = FuturesOrdered::new();
+    let ended = loop {
+        let next = tokio::select! {
+            _ = ctx.stop.cancelled() => break Ended::Stop,
+            batch = ingress.next_batch(max), if storing.len() < depth => Next::Batch(batch),
+            Some(stored) = storing.next() => Next::Stored(stored),
+        };
+        match next {
+            Next::Batch(Ok(batch)) => storing.push_back(take_in(ctx, batch, &rules)),
+            Next::Batch(Err(e)) => {
+                tracing::warn!(error = %Chain(&e), "delay ingress lost its channel");
+                break Ended::BusLost;
+            }
+            Next::Stored(Ok(None)) => {}
+            Next::Stored(Ok(Some(last))) => {
+                if let Err(ended) = acknowledge(&ingress, last).await {
+                    break ended;
+                }
+            }
+            // Later batches cannot be acknowledged before this one: they return to the
+            // queue with it, and what they stored is found stored on redelivery.
+            Next::Stored(Err(ended)) => break ended,
+        }
+    };
+    if matches!(ended, Ended::Stop) {
+        // Batches being stored finish (each is bounded) and are acknowledged: a stop
+        // should not cause redeliveries.
+        while let Some(Ok(last)) = storing.next().await {
+            if let Some(last) = last
+                && acknowledge(&ingress, last).await.is_err()
+            {
+                break;
+            }
+        }
+    }
+    ingress.close(CLOSE_LIMIT).await;
+    ended
+}
+
+/// Store one batch: the delivery tag that acknowledges it, once stored (never tag 0,
+/// which with `multiple` would acknowledge every delivery).
 async fn take_in(
     ctx: &Intake,
-    ingress: &Ingress,
     batch: Vec<Arrived>,
     rules: &Rules,
-) -> Result<(), Ended> {
+) -> Result<Option<u64>, Ended> {
     let arrived = Instant::now();
     let Some(last) = batch.last().map(|a| a.tag) else {
-        return Ok(());
+        return Ok(None);
     };
     let items: Vec<Ingest> = batch
         .into_iter()
@@ -188,7 +219,11 @@ async fn take_in(
             "delayed messages with bad input stored as failing (see timeoutd pending --failing)"
         );
     }
-    // Stored but not acknowledged is safe: the redelivery finds its message_id stored.
+    Ok(Some(last))
+}
+
+/// Stored but not acknowledged is safe: the redelivery finds its message_id stored.
+async fn acknowledge(ingress: &Ingress, last: u64) -> Result<(), Ended> {
     ingress.ack_up_to(last).await.map_err(|e| {
         tracing::warn!(error = %Chain(&e), "cannot acknowledge stored delayed messages");
         Ended::BusLost

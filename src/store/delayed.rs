@@ -178,7 +178,9 @@ impl Statements {
             .into(),
             // One statement per batch; a message_id already pending (a redelivery after
             // a crash between commit and ack, or a duplicate in the batch) adds nothing,
-            // and neither does one a cancel message named first.
+            // and neither does one a cancel message named first. Rows go in in
+            // message_id order: two batches holding the same redelivered messages wait
+            // for each other's unique-index entries in one order, never deadlock.
             insert: format!(
                 "WITH r AS (SELECT r.*, EXISTS (SELECT 1 FROM {c} AS c \
                  WHERE c.message_id = r.message_id AND c.expires_at > now()) AS cancelled \
@@ -192,7 +194,7 @@ impl Statements {
                  r.exchange, r.routing_key, r.properties::jsonb, r.body, \
                  CASE WHEN r.held IS NULL THEN 0 ELSE 1 END, r.held, \
                  CASE WHEN r.held IS NULL THEN NULL ELSE 'infinity'::timestamptz END \
-                 FROM r WHERE NOT r.cancelled \
+                 FROM r WHERE NOT r.cancelled ORDER BY r.message_id COLLATE \"C\" \
                  ON CONFLICT (message_id) DO NOTHING RETURNING 1) \
                  SELECT (SELECT count(*) FROM stored), (SELECT count(*) FROM r WHERE r.cancelled)"
             )
