@@ -193,11 +193,7 @@ async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
 
 /// Store one batch: the delivery tag that acknowledges it, once stored (never tag 0,
 /// which with `multiple` would acknowledge every delivery).
-async fn take_in(
-    ctx: &Intake,
-    batch: Vec<Arrived>,
-    rules: &Rules,
-) -> Result<Option<u64>, Ended> {
+async fn take_in(ctx: &Intake, batch: Vec<Arrived>, rules: &Rules) -> Result<Option<u64>, Ended> {
     let arrived = Instant::now();
     let Some(last) = batch.last().map(|a| a.tag) else {
         return Ok(None);

@@ -141,8 +141,16 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__LOG__FORMAT", "xml", "format"),
         ("TIMEOUTD__DELAY__PREFETCH", "0", "delay.prefetch"),
         ("TIMEOUTD__DELAY__PREFETCH", "70000", "prefetch"),
-        ("TIMEOUTD__DELAY__INGEST_CONCURRENCY", "0", "delay.ingest_concurrency"),
-        ("TIMEOUTD__DELAY__INGEST_CONCURRENCY", "17", "delay.ingest_concurrency"),
+        (
+            "TIMEOUTD__DELAY__INGEST_CONCURRENCY",
+            "0",
+            "delay.ingest_concurrency",
+        ),
+        (
+            "TIMEOUTD__DELAY__INGEST_CONCURRENCY",
+            "17",
+            "delay.ingest_concurrency",
+        ),
         ("TIMEOUTD__DELAY__CANCEL_TTL", "0s", "delay.cancel_ttl"),
         ("TIMEOUTD__DELAY__CANCEL_TTL", "400days", "delay.cancel_ttl"),
         ("TIMEOUTD__DELAY__EXCHANGE", "", "delay.exchange"),
