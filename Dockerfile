@@ -18,6 +18,8 @@ COPY Cargo.toml Cargo.lock build.rs ./
 COPY timeoutd-client/Cargo.toml timeoutd-client/
 COPY timeoutd-bench/Cargo.toml timeoutd-bench/
 COPY timeoutd-sim/Cargo.toml timeoutd-sim/
+# sqlx-core with upstream's TCP_NODELAY fix (see Cargo.toml's [patch]): a real dependency.
+COPY vendor/ vendor/
 RUN mkdir -p src examples migrations config timeoutd-client/src timeoutd-bench/src \
     timeoutd-sim/src/bin \
  && echo 'fn main() {}' > src/main.rs \
