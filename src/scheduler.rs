@@ -28,7 +28,7 @@ use crate::telemetry::Chain;
 
 mod pacer;
 
-use pacer::{Finished, Lane, Pacer};
+use pacer::{Finished, Lane, Pacer, Probing};
 
 /// How often the per-batch activity is summarised at info level.
 const SUMMARY_EVERY: Duration = Duration::from_secs(1);
@@ -161,7 +161,7 @@ async fn fire_while_active(
             recheck_publish(shared).await;
         }
         for (kind, lane) in pacer.starts(Instant::now()) {
-            let window = pacer.config().window(lane);
+            let window = pacer.window(kind, lane);
             let fires = kinds[kind];
             tracing::trace!(kind = fires.table().kind(), ?lane, "starting a batch");
             let task = batch(shared.clone(), scanner.clone(), bus.clone(), fires, window);
@@ -199,8 +199,8 @@ fn still_on(rx: &mut watch::Receiver<Option<Arc<Bus>>>, bus: &Arc<Bus>) -> bool 
 
 /// Probe the kinds whose probe is due.
 async fn probe(shared: &Firing, kinds: &[Fires], pacer: &mut Pacer) {
-    for (kind, after) in pacer.probes_due(Instant::now()) {
-        let probed = probe_table(shared, kinds[kind].table(), after).await;
+    for Probing { kind, after, from } in pacer.probes_due(Instant::now()) {
+        let probed = probe_table(shared, kinds[kind].table(), after, from).await;
         shared.health.record(Check::Postgres, &probed);
         match probed {
             Ok(p) => {
@@ -289,7 +289,7 @@ async fn check_while_passive(shared: &Firing, scanner: &Scanner) {
     // migration, an ALTER) fails the scan, and must fail this check too.
     let mut pinged = Ok(());
     for kind in kinds(&shared.settings) {
-        if let Err(e) = probe_table(shared, kind.table(), None).await {
+        if let Err(e) = probe_table(shared, kind.table(), None, None).await {
             pinged = Err(e);
             break;
         }
@@ -331,10 +331,11 @@ async fn probe_table(
     shared: &Firing,
     table: Table,
     after: Option<DateTime<Utc>>,
+    from: Option<DateTime<Utc>>,
 ) -> Result<crate::store::Probe, String> {
     let limit = shared.settings.postgres.statement_timeout;
     let _under_way = shared.health.step(Check::Postgres);
-    match tokio::time::timeout(limit, shared.store.probe(table, after, FRESH)).await {
+    match tokio::time::timeout(limit, shared.store.probe(table, after, FRESH, from)).await {
         Ok(r) => r.map_err(|e| Chain(&e).to_string()),
         Err(_) => Err(format!("no answer within {limit:?}")),
     }

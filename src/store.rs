@@ -97,8 +97,9 @@ impl Table {
     }
 
     /// Which rows a batch may lock: due within the horizon (`$4` seconds) and, for a
-    /// batch that serves only fresh rows, due no earlier than `$5` seconds ago (NULL: no
-    /// lower bound). `deadline <= …` is implied by the due expression; it is spelled out
+    /// batch that serves only fresh rows, due no earlier than `$5` seconds ago, and for a
+    /// backlog batch that continues after earlier ones, due no earlier than `$6` (NULL: no
+    /// such bound). `deadline <= …` is implied by the due expression; it is spelled out
     /// so that no change to the bookkeeping can ever hold a row for sending before its
     /// deadline. The rows' own due times (`due_at` below) decide when each is sent.
     fn window(&self) -> String {
@@ -106,8 +107,10 @@ impl Table {
         format!(
             "{due_at} <= now() + make_interval(secs => $4) \
              AND m.{} <= now() + make_interval(secs => $4) \
-             AND {due_at} >= coalesce(now() - make_interval(secs => $5), '-infinity')",
-            self.deadline
+             AND {due_at} >= greatest(coalesce(now() - make_interval(secs => $5), \
+             '-infinity'), {})",
+            self.deadline,
+            from_bound("$6")
         )
     }
 
@@ -124,6 +127,16 @@ impl Table {
     }
 }
 
+/// The lower bound `param` (a due time a batch returned, or NULL) puts on `due_at`. Due
+/// times come back clamped to year 1 (see [`Table::deadline`]): a bound there could be
+/// any earlier time, even '-infinity', so it bounds nothing.
+fn from_bound(param: &str) -> String {
+    format!(
+        "CASE WHEN {param}::timestamptz > '0001-01-01T00:00:00Z' THEN {param}::timestamptz \
+         ELSE '-infinity'::timestamptz END"
+    )
+}
+
 /// Which due rows a batch locks: those due within `horizon` from now (zero: only rows
 /// due already), and with `fresh`, only rows that came due at most that long ago (the
 /// share of batches kept for rows coming due while a backlog drains).
@@ -131,6 +144,10 @@ impl Table {
 pub struct Window {
     pub horizon: Duration,
     pub fresh: Option<Duration>,
+    /// Only rows due at or after this database instant: a backlog drain resumes where
+    /// its last batch ended instead of walking the index entries of every row it
+    /// deleted (they stay in the index until vacuum, and each scan would pass them).
+    pub from: Option<DateTime<Utc>>,
 }
 
 /// When the next rows of one table are due, from [`Store::probe`]: seconds from the
@@ -227,20 +244,22 @@ impl Store {
         Ok(self.pool.begin_with(begin).await?)
     }
 
-    /// When the next rows of `table` are due: the earliest of all, and the earliest due
-    /// after `after` (a database instant; `None`: no bound) and no longer ago than
-    /// `fresh`. A due time of 'infinity' (a held row) reads as `None`. Two probes of the
+    /// When the next rows of `table` are due: the earliest at or after `from` (where a
+    /// backlog drain stands; `None`: of all), and the earliest due after `after` (a
+    /// database instant; `None`: no bound) and no longer ago than `fresh`. A due time of 'infinity' (a held row) reads as `None`. Two probes of the
     /// due index, one round trip.
     pub async fn probe(
         &self,
         table: Table,
         after: Option<DateTime<Utc>>,
         fresh: Duration,
+        from: Option<DateTime<Utc>>,
     ) -> Result<Probe, StoreError> {
         let row: (Option<f64>, Option<f64>, DateTime<Utc>) =
             sqlx::query_as(safe(&self.writes(table)?.probe))
                 .bind(after)
                 .bind(fresh.as_secs_f64())
+                .bind(from)
                 .fetch_one(&self.pool)
                 .await?;
         // '-infinity' is as overdue as can be; 'infinity' (a held row) is never due.
@@ -316,7 +335,7 @@ pub(crate) async fn bounded<T>(
 
 /// Run a due-row statement of any table (binds: `$1` limit, `$2` largest content to
 /// fetch with the row, in bytes, `$3` ids to skip, `$4` horizon and `$5` freshness in
-/// seconds, see [`Table::window`]).
+/// seconds, `$6` the earliest due time, see [`Table::window`]).
 async fn lock_rows<R>(
     sql: &Arc<str>,
     tx: &mut sqlx::PgConnection,
@@ -334,6 +353,7 @@ where
         .bind(skip)
         .bind(window.horizon.as_secs_f64())
         .bind(window.fresh.map(|f| f.as_secs_f64()))
+        .bind(window.from)
         .fetch_all(tx)
         .await?)
 }

@@ -27,6 +27,13 @@ use chrono::{DateTime, Utc};
 use crate::fire::DbClock;
 use crate::store::{Probe, Window};
 
+/// How long a backlog drain goes on from where its last batch ended before it looks
+/// from the start of the due index again: a row written meanwhile with a due time
+/// already behind the drain waits at most this long (besides, the drain starts over
+/// when it runs dry, a batch fails or leaves rows unsent). Each fresh look walks the
+/// index entries of the rows deleted so far once.
+pub(crate) const BACKLOG_RESCAN: Duration = Duration::from_secs(30);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Lane {
     OnTime,
@@ -53,16 +60,18 @@ impl Config {
         (horizon / 4).min(Duration::from_millis(25))
     }
 
-    /// What a batch of `lane` locks.
-    pub(crate) fn window(&self, lane: Lane) -> Window {
+    /// What a batch of `lane` locks (a backlog batch: from `from` on).
+    pub(crate) fn window(&self, lane: Lane, from: Option<DateTime<Utc>>) -> Window {
         match lane {
             Lane::OnTime => Window {
                 horizon: self.horizon,
                 fresh: Some(self.fresh),
+                from: None,
             },
             Lane::Backlog => Window {
                 horizon: Duration::ZERO,
                 fresh: None,
+                from,
             },
         }
     }
@@ -92,6 +101,10 @@ struct KindState {
     covered: Option<DateTime<Utc>>,
     /// Rows overdue by more than `fresh` are waiting.
     backlog: bool,
+    /// Where the backlog drain stands: every row due before it was sent or is held by a
+    /// batch in flight, as far as we know (see [`BACKLOG_RESCAN`]). Set since `from_at`.
+    from: Option<DateTime<Utc>>,
+    from_at: Option<Instant>,
     on_time_running: usize,
     backlog_running: usize,
     /// When to probe the due index next.
@@ -123,19 +136,40 @@ impl Pacer {
         }
     }
 
+    #[cfg(test)]
     pub(crate) fn config(&self) -> &Config {
         &self.config
     }
 
-    /// The kinds to probe now, and the instant each probe's `after` should be (the end
-    /// of the covered window, if any).
-    pub(crate) fn probes_due(&self, now: Instant) -> Vec<(usize, Option<DateTime<Utc>>)> {
+    /// The kinds to probe now, with the instant each probe's `after` should be (the end
+    /// of the covered window, if any) and its `from` (where the backlog drain stands).
+    pub(crate) fn probes_due(&mut self, now: Instant) -> Vec<Probing> {
+        self.expire_drains(now);
         self.kinds
             .iter()
             .enumerate()
             .filter(|(_, k)| k.probe_at.is_some_and(|at| at <= now))
-            .map(|(i, k)| (i, k.covered))
+            .map(|(kind, k)| Probing {
+                kind,
+                after: k.covered,
+                from: k.from,
+            })
             .collect()
+    }
+
+    /// What a batch of `kind` in `lane` locks.
+    pub(crate) fn window(&self, kind: usize, lane: Lane) -> Window {
+        self.config.window(lane, self.kinds[kind].from)
+    }
+
+    /// Drains that went on from where they stood for [`BACKLOG_RESCAN`] look from the
+    /// start again.
+    fn expire_drains(&mut self, now: Instant) {
+        for k in &mut self.kinds {
+            if k.from_at.is_some_and(|at| now >= at + BACKLOG_RESCAN) {
+                k.restart_drain();
+            }
+        }
     }
 
     /// A probe of `kind` answered at `now` (its seconds count from about then).
@@ -168,6 +202,7 @@ impl Pacer {
 
     /// The batches to start now (each then counts as running until [`Pacer::finished`]).
     pub(crate) fn starts(&mut self, now: Instant) -> Vec<(usize, Lane)> {
+        self.expire_drains(now);
         let mut starts = Vec::new();
         let mut free = self.config.concurrency.saturating_sub(self.running());
         let mut on_time: Vec<usize> = (0..self.kinds.len())
@@ -217,6 +252,14 @@ impl Pacer {
             }
             Lane::Backlog => {
                 k.backlog_running = k.backlog_running.saturating_sub(1);
+                if f.full && f.untouched == 0 {
+                    // Every row due before its last one is sent or held by an earlier
+                    // batch in flight (which resets this if it leaves rows behind).
+                    k.from = k.from.max(f.last_due);
+                    k.from_at = k.from_at.or(Some(now));
+                } else {
+                    k.restart_drain();
+                }
                 if !f.full {
                     k.backlog = false;
                     // Rows held by someone else (a second active node) are not ours to
@@ -229,6 +272,7 @@ impl Pacer {
         if f.untouched > 0 {
             // Rows it held are due again and no notification will say so.
             k.covered = None;
+            k.restart_drain();
             k.probe_at = Some(now);
         }
     }
@@ -243,6 +287,7 @@ impl Pacer {
         k.covered = None;
         k.on_time_at = None;
         k.backlog = false;
+        k.restart_drain();
         k.probe_at = Some(now + delay);
     }
 
@@ -311,6 +356,22 @@ impl Pacer {
             .find(|i| self.kinds[*i].backlog)?;
         self.turn = (kind + 1) % n;
         Some(kind)
+    }
+}
+
+/// What to probe: `kind`'s rows due at or after `from`, and its next row after `after`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Probing {
+    pub(crate) kind: usize,
+    pub(crate) after: Option<DateTime<Utc>>,
+    pub(crate) from: Option<DateTime<Utc>>,
+}
+
+impl KindState {
+    /// The next backlog batch and probe look from the start of the due index.
+    fn restart_drain(&mut self) {
+        self.from = None;
+        self.from_at = None;
     }
 }
 

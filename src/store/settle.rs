@@ -77,13 +77,16 @@ impl Writes {
         // Epochs, not a difference of timestamps: '-infinity' - now() is an error before
         // Postgres 17, its epoch is minus infinity.
         let secs = format!("(extract(epoch FROM {due_at}) - extract(epoch FROM now()))::float8");
+        let from = super::from_bound("$3");
         Self {
             table,
             // Seconds from now (database clock) to the earliest due row, and to the
             // earliest due after $1 and at most $2 seconds ago: each one probe of the
             // due index.
             probe: format!(
-                "SELECT (SELECT {secs} FROM {t} AS m ORDER BY {due_at} LIMIT 1), \
+                "SELECT (SELECT {secs} FROM {t} AS m \
+                 WHERE {due_at} >= {from} \
+                 ORDER BY {due_at} LIMIT 1), \
                  (SELECT {secs} FROM {t} AS m \
                  WHERE {due_at} > greatest(coalesce($1::timestamptz, '-infinity'), \
                  now() - make_interval(secs => $2)) \

@@ -33,6 +33,14 @@ fn probe(earliest: Option<f64>, beyond: Option<f64>) -> Probe {
     }
 }
 
+/// What is probed now, as (kind, after).
+fn probes(p: &mut Pacer, now: Instant) -> Vec<(usize, Option<DateTime<Utc>>)> {
+    p.probes_due(now)
+        .into_iter()
+        .map(|x| (x.kind, x.after))
+        .collect()
+}
+
 fn short(clock: DbClock, locked: usize, window_end: DateTime<Utc>) -> Finished {
     Finished {
         locked,
@@ -48,7 +56,7 @@ fn short(clock: DbClock, locked: usize, window_end: DateTime<Utc>) -> Finished {
 fn a_new_pacer_probes_every_kind_and_starts_nothing_blind() {
     let (now, _) = t0();
     let mut p = Pacer::new(config(4, 1), 2, now);
-    assert_eq!(p.probes_due(now), vec![(0, None), (1, None)]);
+    assert_eq!(probes(&mut p, now), vec![(0, None), (1, None)]);
     assert!(p.starts(now).is_empty());
 }
 
@@ -62,7 +70,7 @@ fn a_coming_row_is_locked_lead_before_its_due_time_not_earlier() {
     assert!(p.starts(start - MS).is_empty());
     assert_eq!(p.starts(start), vec![(0, Lane::OnTime)]);
     assert_eq!(p.running(), 1);
-    let w = p.config().window(Lane::OnTime);
+    let w = p.window(0, Lane::OnTime);
     assert_eq!(
         (w.horizon, w.fresh),
         (100 * MS, Some(Duration::from_secs(1)))
@@ -78,7 +86,7 @@ fn a_short_window_covers_its_end_and_the_next_probe_looks_beyond_it() {
     let clock = DbClock { at: now, db: at };
     p.finished(0, Lane::OnTime, now + MS, short(clock, 80, db(at, 100)));
     assert_eq!(p.running(), 0);
-    assert_eq!(p.probes_due(now + MS), vec![(0, Some(db(at, 100)))]);
+    assert_eq!(probes(&mut p, now + MS), vec![(0, Some(db(at, 100)))]);
     // The next row beyond the window, due in 101 ms: its batch starts lead before.
     p.probed(0, now + MS, probe(Some(0.05), Some(0.101)));
     let start = now + MS + 101 * MS - p.config().lead;
@@ -149,7 +157,7 @@ fn a_backlog_drains_beside_the_on_time_lane_within_its_share() {
             (0, Lane::Backlog)
         ]
     );
-    let w = p.config().window(Lane::Backlog);
+    let w = p.window(0, Lane::Backlog);
     assert_eq!((w.horizon, w.fresh), (Duration::ZERO, None));
 }
 
@@ -217,8 +225,8 @@ fn a_backlog_batch_that_locks_nothing_waits_a_tick_instead_of_spinning() {
         window_end: None,
     };
     p.finished(0, Lane::Backlog, now + MS, nothing);
-    assert!(p.probes_due(now + MS).is_empty());
-    assert_eq!(p.probes_due(now + MS + 250 * MS).len(), 1);
+    assert!(probes(&mut p, now + MS).is_empty());
+    assert_eq!(probes(&mut p, now + MS + 250 * MS).len(), 1);
     assert!(p.starts(now + 2 * MS).is_empty());
 }
 
@@ -228,7 +236,7 @@ fn rows_left_unsent_are_due_again_so_the_window_is_forgotten() {
     let mut p = Pacer::new(config(4, 1), 1, now);
     p.probed(0, now, probe(None, None));
     p.on_time_window(0, now, at);
-    assert_eq!(p.probes_due(now), vec![(0, Some(db(at, 100)))]);
+    assert_eq!(probes(&mut p, now), vec![(0, Some(db(at, 100)))]);
     p.probed(0, now, probe(None, None));
     p.notified(Some(0), Some(db(at, 10)), now);
     p.starts(now);
@@ -238,7 +246,7 @@ fn rows_left_unsent_are_due_again_so_the_window_is_forgotten() {
         ..short(clock, 5, db(at, 100))
     };
     p.finished(0, Lane::OnTime, now + MS, left);
-    assert_eq!(p.probes_due(now + MS), vec![(0, None)]);
+    assert_eq!(probes(&mut p, now + MS), vec![(0, None)]);
 }
 
 #[test]
@@ -249,8 +257,11 @@ fn a_failed_batch_forgets_its_kind_and_probes_after_the_backoff() {
     p.on_time_window(0, now, at);
     p.failed(0, Lane::Backlog, now, Duration::from_secs(1));
     assert_eq!(p.running(), 2, "the other backlog batches still run");
-    assert!(p.probes_due(now + 999 * MS).is_empty());
-    assert_eq!(p.probes_due(now + Duration::from_secs(1)), vec![(0, None)]);
+    assert!(probes(&mut p, now + 999 * MS).is_empty());
+    assert_eq!(
+        probes(&mut p, now + Duration::from_secs(1)),
+        vec![(0, None)]
+    );
 }
 
 impl Pacer {
@@ -321,5 +332,81 @@ proptest! {
             prop_assert!(backlog <= concurrency - fresh_slots);
             prop_assert!(p.wake_at(now) > now);
         }
+    }
+}
+
+fn backlog_done(locked: usize, full: bool, untouched: usize, last: DateTime<Utc>) -> Finished {
+    Finished {
+        locked,
+        full,
+        untouched,
+        clock: None,
+        last_due: Some(last),
+        window_end: None,
+    }
+}
+
+/// The pacer with a backlog drain under way: two backlog batches started.
+fn draining(now: Instant) -> Pacer {
+    let mut p = Pacer::new(config(3, 1), 1, now);
+    p.probed(0, now, probe(Some(-3600.0), None));
+    assert_eq!(p.starts(now), vec![(0, Lane::Backlog), (0, Lane::Backlog)]);
+    p
+}
+
+#[test]
+fn a_backlog_drain_goes_on_after_the_last_row_its_full_batches_sent() {
+    let (now, at) = t0();
+    let mut p = draining(now);
+    assert_eq!(p.window(0, Lane::Backlog).from, None);
+    p.finished(
+        0,
+        Lane::Backlog,
+        now,
+        backlog_done(500, true, 0, db(at, -3000)),
+    );
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(db(at, -3000)));
+    // A batch that started earlier and ends later never moves it back.
+    p.finished(
+        0,
+        Lane::Backlog,
+        now,
+        backlog_done(500, true, 0, db(at, -3500)),
+    );
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(db(at, -3000)));
+    // The probe looks from there too, and on-time batches never use it.
+    let probing = p.probes_due(now + Duration::from_secs(1));
+    assert_eq!(probing[0].from, Some(db(at, -3000)));
+    assert_eq!(p.window(0, Lane::OnTime).from, None);
+}
+
+#[test]
+fn a_backlog_drain_starts_over_whenever_rows_may_be_left_behind_it() {
+    let (now, at) = t0();
+    let last = db(at, -3000);
+    type Leave = fn(&mut Pacer, Instant, DateTime<Utc>);
+    let cases: [(&str, Leave); 5] = [
+        ("ran dry", |p, now, last| {
+            p.finished(0, Lane::Backlog, now, backlog_done(7, false, 0, last))
+        }),
+        ("left rows unsent", |p, now, last| {
+            p.finished(0, Lane::Backlog, now, backlog_done(500, true, 3, last))
+        }),
+        ("an on-time batch left rows unsent", |p, now, last| {
+            p.finished(0, Lane::OnTime, now, backlog_done(5, false, 1, last))
+        }),
+        ("failed", |p, now, _| {
+            p.failed(0, Lane::Backlog, now, Duration::from_secs(1))
+        }),
+        ("went on for BACKLOG_RESCAN", |p, now, _| {
+            p.starts(now + BACKLOG_RESCAN);
+        }),
+    ];
+    for (why, leave) in cases {
+        let mut p = draining(now);
+        p.finished(0, Lane::Backlog, now, backlog_done(500, true, 0, last));
+        assert_eq!(p.window(0, Lane::Backlog).from, Some(last), "{why}");
+        leave(&mut p, now, last);
+        assert_eq!(p.window(0, Lane::Backlog).from, None, "{why}");
     }
 }
