@@ -79,7 +79,7 @@ pub(crate) async fn fill_not_due(env: &Env, table: &str, rows: u64) -> Result<()
 
 /// The daemon's own due-row statement (`store::lock_due_sql`), run with its binds: a
 /// batch of `WINDOW`, payloads up to 16 MiB, nothing skipped, the on-time lane's window
-/// (100 ms ahead, at most 1 s overdue).
+/// (100 ms ahead, at most 1 s overdue, no backlog drain under way).
 pub(crate) fn lock_due(
     sql: &str,
 ) -> sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments> {
@@ -89,6 +89,7 @@ pub(crate) fn lock_due(
         .bind(Vec::<Uuid>::new())
         .bind(0.1f64)
         .bind(Some(1.0f64))
+        .bind(None::<chrono::DateTime<chrono::Utc>>)
 }
 
 /// Timed runs, round-robin over the tables: one list of milliseconds per table.
