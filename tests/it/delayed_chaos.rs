@@ -241,7 +241,7 @@ async fn kill_9_of_consuming_and_active_nodes_loses_nothing() {
         deliverable.iter().all(|id| counts.contains_key(*id))
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    settled(&world).await;
     // Only a batch in flight at the SIGKILL can repeat (≤ one batch per slot).
     check(&world, &inbox, &sent, 2 * 40).await;
     drop(procs);
@@ -336,7 +336,7 @@ async fn pipelined_ingest_survives_repeated_database_cuts() {
         deliverable.iter().all(|id| counts.contains_key(*id))
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    settled(&world).await;
     let retried = procs
         .iter()
         .any(|p| p.logged("cannot store delayed messages yet"));
@@ -393,6 +393,19 @@ async fn cut_now_and_then(
         cuts += 1;
     }
     (proxy, cuts)
+}
+
+/// Every deliverable row has left the table (held junk stays). A row the killed active
+/// node sent but could not commit is still there until its successor sends it again,
+/// a member_ttl later; then a second copy may still be on its way to the inbox.
+async fn settled(world: &World) {
+    wait_for_async(Duration::from_secs(30), "only held rows left", || async {
+        rows(world, "coalesce(retry_at <> 'infinity', true)")
+            .await
+            .is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
 }
 
 async fn check(world: &World, inbox: &Inbox, sent: &HashMap<String, Sent>, max_extra: usize) {
