@@ -182,7 +182,7 @@ async fn every_documented_series_moves_after_its_event() {
         .expect(&Expectation::new("nowhere", "Reply", &nowhere))
         .await;
     crate::bad_input::publish_junk(&world.group, &[(None, b"{not json".to_vec())]).await;
-    delayed_events(&world, &inbox.queue).await;
+    delayed_events(&world, &inbox.queue, addr).await;
     let by_label = [
         ("timeoutd_fired_total{", "kind=\"delayed\"", 1.0),
         ("timeoutd_fired_total{", "kind=\"expectation\"", 4.0),
@@ -272,7 +272,9 @@ fn labelled(text: &str, name: &str, label: &str) -> Option<f64> {
 
 /// Delayed messages: one delivered (to `queue`, through the default exchange), one held
 /// (junk `x-delay`), one published twice while pending (a duplicate) and then cancelled.
-async fn delayed_events(world: &World, queue: &str) {
+/// The cancel waits until the duplicate was counted: ingest batches run concurrently, and
+/// a cancel stored first makes both copies `arrived_cancelled` instead.
+async fn delayed_events(world: &World, queue: &str, addr: std::net::SocketAddr) {
     use lapin::BasicProperties;
     use lapin::types::{AMQPValue, LongString};
 
@@ -297,6 +299,16 @@ async fn delayed_events(world: &World, queue: &str) {
             .with_headers(later);
         publish(&ch, &world.ingress(), "k", twice, b"twice").await;
     }
+    wait_for_async(Duration::from_secs(10), "the duplicate counted", || async {
+        let text = get(addr, "/metrics").await.1;
+        labelled(
+            &text,
+            "timeoutd_delayed_ingested_total{",
+            "result=\"duplicate\"",
+        )
+        .is_some_and(|v| v >= 1.0)
+    })
+    .await;
     let cancel = headers(vec![(
         "x-timeoutd-cancel",
         AMQPValue::LongString(LongString::from("twice")),
