@@ -13,6 +13,13 @@
 //!   than the on-time lane drains in time), locked oldest first, batch after batch while
 //!   batches come back full.
 //!
+//! Deleted rows stay in the due index until vacuum, and a scan from its start walks all
+//! of them. So each kind remembers where the scan stands (every row due before it was
+//! sent or is held), learnt from probes and finished backlog batches; probes and
+//! backlog batches look from there. A *sweep* every [`BACKLOG_RESCAN`] looks from the
+//! start for rows written behind it; a batch that fails or leaves rows unsent makes the
+//! scan forget where it stood.
+//!
 //! Batches in flight never exceed `concurrency`; the backlog of all kinds together takes
 //! at most `concurrency - fresh_slots` of them, so rows coming due now are not late by
 //! the whole drain (with `fresh_slots = 0` the on-time lane waits for the backlog:
@@ -27,17 +34,23 @@ use chrono::{DateTime, Utc};
 use crate::fire::DbClock;
 use crate::store::{Probe, Window};
 
-/// How long a backlog drain goes on from where its last batch ended before it looks
-/// from the start of the due index again: a row written meanwhile with a due time
-/// already behind the drain waits at most this long (besides, the drain starts over
-/// when it runs dry, a batch fails or leaves rows unsent). Each fresh look walks the
-/// index entries of the rows deleted so far once.
+/// How often a *sweep* (a backlog batch from the start of the due index) looks for rows
+/// written with a due time already behind where the scan stands: such a row, overdue by
+/// more than `fresh` when written, waits at most this long. A sweep walks the index
+/// entries of the rows deleted so far, in a batch task of its own; probes never do once
+/// the scan knows where it stands.
 pub(crate) const BACKLOG_RESCAN: Duration = Duration::from_secs(30);
+
+/// Taken off a probed earliest due time before it bounds anything: the time is computed
+/// from a float of seconds, which may round it up a little.
+const PROBE_ROUNDING: chrono::Duration = chrono::Duration::milliseconds(1);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Lane {
     OnTime,
     Backlog,
+    /// A backlog batch from the start of the due index (see [`BACKLOG_RESCAN`]).
+    Sweep,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,17 +75,19 @@ impl Config {
 
     /// What a batch of `lane` locks (a backlog batch: from `from` on).
     pub(crate) fn window(&self, lane: Lane, from: Option<DateTime<Utc>>) -> Window {
+        let backlog = |from| Window {
+            horizon: Duration::ZERO,
+            fresh: None,
+            from,
+        };
         match lane {
             Lane::OnTime => Window {
                 horizon: self.horizon,
                 fresh: Some(self.fresh),
                 from: None,
             },
-            Lane::Backlog => Window {
-                horizon: Duration::ZERO,
-                fresh: None,
-                from,
-            },
+            Lane::Backlog => backlog(from),
+            Lane::Sweep => backlog(None),
         }
     }
 }
@@ -101,10 +116,14 @@ struct KindState {
     covered: Option<DateTime<Utc>>,
     /// Rows overdue by more than `fresh` are waiting.
     backlog: bool,
-    /// Where the backlog drain stands: every row due before it was sent or is held by a
-    /// batch in flight, as far as we know (see [`BACKLOG_RESCAN`]). Set since `from_at`.
+    /// Where the scan stands: every row due before it was sent or is held by a batch in
+    /// flight, as far as we know (a row written later with an earlier due time is found
+    /// by the next sweep, or by the on-time lane while it is fresh). Probes and backlog
+    /// batches look from here, past the index entries of the rows deleted before it.
     from: Option<DateTime<Utc>>,
-    from_at: Option<Instant>,
+    /// When the next sweep is due (set once `from` is), and whether one should start.
+    sweep_at: Option<Instant>,
+    sweep: bool,
     on_time_running: usize,
     backlog_running: usize,
     /// When to probe the due index next.
@@ -144,7 +163,6 @@ impl Pacer {
     /// The kinds to probe now, with the instant each probe's `after` should be (the end
     /// of the covered window, if any) and its `from` (where the backlog drain stands).
     pub(crate) fn probes_due(&mut self, now: Instant) -> Vec<Probing> {
-        self.expire_drains(now);
         self.kinds
             .iter()
             .enumerate()
@@ -162,12 +180,12 @@ impl Pacer {
         self.config.window(lane, self.kinds[kind].from)
     }
 
-    /// Drains that went on from where they stood for [`BACKLOG_RESCAN`] look from the
-    /// start again.
-    fn expire_drains(&mut self, now: Instant) {
+    /// Kinds whose sweep is due get one backlog slot for it.
+    fn plan_sweeps(&mut self, now: Instant) {
         for k in &mut self.kinds {
-            if k.from_at.is_some_and(|at| now >= at + BACKLOG_RESCAN) {
-                k.restart_drain();
+            if k.sweep_at.is_some_and(|at| now >= at) {
+                k.sweep_at = Some(now + BACKLOG_RESCAN);
+                k.sweep = true;
             }
         }
     }
@@ -183,6 +201,14 @@ impl Pacer {
         let k = &mut self.kinds[kind];
         k.probe_at = Some(now + self.config.tick);
         k.backlog |= probe.earliest.is_some_and(|s| s < -fresh);
+        // Nothing pending was due before the earliest row the probe saw; with none at
+        // all, a row written from now on is due later, or fresh (the on-time lane's), or
+        // behind (the next sweep's).
+        let stands = match probe.earliest {
+            Some(s) => db_offset(probe.now, s).map(|t| t - PROBE_ROUNDING),
+            None => Some(probe.now),
+        };
+        k.advance(stands, now);
         // The first row beyond what we hold; an overdue one is the backlog's. A start
         // asked for meanwhile (a notification) stands.
         let next = probe
@@ -202,7 +228,7 @@ impl Pacer {
 
     /// The batches to start now (each then counts as running until [`Pacer::finished`]).
     pub(crate) fn starts(&mut self, now: Instant) -> Vec<(usize, Lane)> {
-        self.expire_drains(now);
+        self.plan_sweeps(now);
         let mut starts = Vec::new();
         let mut free = self.config.concurrency.saturating_sub(self.running());
         let mut on_time: Vec<usize> = (0..self.kinds.len())
@@ -224,9 +250,15 @@ impl Pacer {
             let Some(kind) = self.next_backlog() else {
                 break;
             };
-            self.kinds[kind].backlog_running += 1;
+            let k = &mut self.kinds[kind];
+            k.backlog_running += 1;
             free -= 1;
-            starts.push((kind, Lane::Backlog));
+            let lane = if std::mem::take(&mut k.sweep) {
+                Lane::Sweep
+            } else {
+                Lane::Backlog
+            };
+            starts.push((kind, lane));
         }
         starts
     }
@@ -250,15 +282,17 @@ impl Pacer {
                     k.probe_at = Some(now);
                 }
             }
-            Lane::Backlog => {
+            Lane::Backlog | Lane::Sweep => {
                 k.backlog_running = k.backlog_running.saturating_sub(1);
-                if f.full && f.untouched == 0 {
+                if f.untouched == 0 {
                     // Every row due before its last one is sent or held by an earlier
-                    // batch in flight (which resets this if it leaves rows behind).
-                    k.from = k.from.max(f.last_due);
-                    k.from_at = k.from_at.or(Some(now));
-                } else {
-                    k.restart_drain();
+                    // batch in flight (which starts over if it leaves rows behind). A
+                    // full sweep found rows behind where the scan stood: go on from them.
+                    if lane == Lane::Sweep && f.full {
+                        k.from = None;
+                        k.backlog = true;
+                    }
+                    k.advance(f.last_due, now);
                 }
                 if !f.full {
                     k.backlog = false;
@@ -282,7 +316,7 @@ impl Pacer {
         let k = &mut self.kinds[kind];
         match lane {
             Lane::OnTime => k.on_time_running = k.on_time_running.saturating_sub(1),
-            Lane::Backlog => k.backlog_running = k.backlog_running.saturating_sub(1),
+            Lane::Backlog | Lane::Sweep => k.backlog_running = k.backlog_running.saturating_sub(1),
         }
         k.covered = None;
         k.on_time_at = None;
@@ -353,7 +387,7 @@ impl Pacer {
         let n = self.kinds.len();
         let kind = (0..n)
             .map(|i| (self.turn + i) % n)
-            .find(|i| self.kinds[*i].backlog)?;
+            .find(|i| self.kinds[*i].backlog || self.kinds[*i].sweep)?;
         self.turn = (kind + 1) % n;
         Some(kind)
     }
@@ -371,7 +405,27 @@ impl KindState {
     /// The next backlog batch and probe look from the start of the due index.
     fn restart_drain(&mut self) {
         self.from = None;
-        self.from_at = None;
+        self.sweep_at = None;
+        self.sweep = false;
+    }
+
+    /// Every row due before `to` is sent or held: the scan stands there, or further.
+    fn advance(&mut self, to: Option<DateTime<Utc>>, now: Instant) {
+        if to.is_some() {
+            self.from = self.from.max(to);
+            self.sweep_at = self.sweep_at.or(Some(now + BACKLOG_RESCAN));
+        }
+    }
+}
+
+/// The database instant `secs` after `now` (negative: before); `None` when out of range
+/// (a row due at '-infinity').
+fn db_offset(now: DateTime<Utc>, secs: f64) -> Option<DateTime<Utc>> {
+    let d = chrono::Duration::from_std(Duration::try_from_secs_f64(secs.abs()).ok()?).ok()?;
+    if secs < 0.0 {
+        now.checked_sub_signed(d)
+    } else {
+        now.checked_add_signed(d)
     }
 }
 

@@ -355,10 +355,14 @@ fn draining(now: Instant) -> Pacer {
 }
 
 #[test]
-fn a_backlog_drain_goes_on_after_the_last_row_its_full_batches_sent() {
+fn the_scan_stands_after_the_rows_probes_and_full_batches_saw() {
     let (now, at) = t0();
-    let mut p = draining(now);
+    let mut p = Pacer::new(config(3, 1), 1, now);
     assert_eq!(p.window(0, Lane::Backlog).from, None);
+    p.probed(0, now, probe(Some(-3600.0), None));
+    let probed = db(at, -3_600_000) - PROBE_ROUNDING;
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(probed));
+    assert_eq!(p.starts(now), vec![(0, Lane::Backlog), (0, Lane::Backlog)]);
     p.finished(
         0,
         Lane::Backlog,
@@ -366,29 +370,41 @@ fn a_backlog_drain_goes_on_after_the_last_row_its_full_batches_sent() {
         backlog_done(500, true, 0, db(at, -3000)),
     );
     assert_eq!(p.window(0, Lane::Backlog).from, Some(db(at, -3000)));
-    // A batch that started earlier and ends later never moves it back.
+    // A batch that started earlier and ends later never moves it back, nor does a drain
+    // that runs dry.
     p.finished(
         0,
         Lane::Backlog,
         now,
         backlog_done(500, true, 0, db(at, -3500)),
     );
+    p.finished(
+        0,
+        Lane::Backlog,
+        now,
+        backlog_done(0, false, 0, db(at, -3500)),
+    );
     assert_eq!(p.window(0, Lane::Backlog).from, Some(db(at, -3000)));
-    // The probe looks from there too, and on-time batches never use it.
-    let probing = p.probes_due(now + Duration::from_secs(1));
-    assert_eq!(probing[0].from, Some(db(at, -3000)));
+    // The probe looks from there too; on-time batches never use it; '-infinity' bounds
+    // nothing.
+    assert_eq!(
+        p.probes_due(now + Duration::from_secs(1))[0].from,
+        Some(db(at, -3000))
+    );
     assert_eq!(p.window(0, Lane::OnTime).from, None);
+    p.probed(0, now, probe(Some(f64::NEG_INFINITY), None));
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(db(at, -3000)));
+    // Nothing pending: the scan stands at the probe's clock.
+    p.probed(0, now, probe(None, None));
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(at));
 }
 
 #[test]
-fn a_backlog_drain_starts_over_whenever_rows_may_be_left_behind_it() {
+fn the_scan_forgets_where_it_stood_when_rows_may_be_left_behind_it() {
     let (now, at) = t0();
     let last = db(at, -3000);
     type Leave = fn(&mut Pacer, Instant, DateTime<Utc>);
-    let cases: [(&str, Leave); 5] = [
-        ("ran dry", |p, now, last| {
-            p.finished(0, Lane::Backlog, now, backlog_done(7, false, 0, last))
-        }),
+    let cases: [(&str, Leave); 3] = [
         ("left rows unsent", |p, now, last| {
             p.finished(0, Lane::Backlog, now, backlog_done(500, true, 3, last))
         }),
@@ -398,9 +414,6 @@ fn a_backlog_drain_starts_over_whenever_rows_may_be_left_behind_it() {
         ("failed", |p, now, _| {
             p.failed(0, Lane::Backlog, now, Duration::from_secs(1))
         }),
-        ("went on for BACKLOG_RESCAN", |p, now, _| {
-            p.starts(now + BACKLOG_RESCAN);
-        }),
     ];
     for (why, leave) in cases {
         let mut p = draining(now);
@@ -409,4 +422,53 @@ fn a_backlog_drain_starts_over_whenever_rows_may_be_left_behind_it() {
         leave(&mut p, now, last);
         assert_eq!(p.window(0, Lane::Backlog).from, None, "{why}");
     }
+}
+
+#[test]
+fn a_sweep_looks_from_the_start_every_backlog_rescan() {
+    let (now, at) = t0();
+    let mut p = draining(now);
+    p.finished(
+        0,
+        Lane::Backlog,
+        now,
+        backlog_done(500, true, 0, db(at, -3000)),
+    );
+    p.finished(
+        0,
+        Lane::Backlog,
+        now,
+        backlog_done(10, false, 0, db(at, -2000)),
+    );
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(db(at, -2000)));
+    assert!(p.starts(now + BACKLOG_RESCAN - MS).is_empty());
+    let later = now + BACKLOG_RESCAN;
+    assert_eq!(p.starts(later), vec![(0, Lane::Sweep)]);
+    assert_eq!(p.window(0, Lane::Sweep).from, None);
+    // The sweep found a full batch of rows written behind the scan: go on from them.
+    p.finished(
+        0,
+        Lane::Sweep,
+        later,
+        backlog_done(500, true, 0, db(at, -9000)),
+    );
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(db(at, -9000)));
+    assert_eq!(
+        p.starts(later),
+        vec![(0, Lane::Backlog), (0, Lane::Backlog)]
+    );
+    // One sweep per interval.
+    p.finished(
+        0,
+        Lane::Backlog,
+        later,
+        backlog_done(3, false, 0, db(at, -8000)),
+    );
+    p.finished(
+        0,
+        Lane::Backlog,
+        later,
+        backlog_done(0, false, 0, db(at, -8000)),
+    );
+    assert!(p.starts(later + MS).is_empty());
 }
