@@ -161,6 +161,9 @@ pub struct Probe {
     pub beyond: Option<f64>,
     /// The database clock when it was read.
     pub now: DateTime<Utc>,
+    /// The database's `now()` for the statement: what the seconds above count from, and
+    /// about when its snapshot was taken (`now` is later by the statement's duration).
+    pub start: DateTime<Utc>,
 }
 
 #[derive(Debug, Clone)]
@@ -255,7 +258,7 @@ impl Store {
         fresh: Duration,
         from: Option<DateTime<Utc>>,
     ) -> Result<Probe, StoreError> {
-        let row: (Option<f64>, Option<f64>, DateTime<Utc>) =
+        let row: (Option<f64>, Option<f64>, DateTime<Utc>, DateTime<Utc>) =
             sqlx::query_as(safe(&self.writes(table)?.probe))
                 .bind(after)
                 .bind(fresh.as_secs_f64())
@@ -268,6 +271,7 @@ impl Store {
             earliest: due(row.0),
             beyond: due(row.1),
             now: row.2,
+            start: row.3,
         })
     }
 

@@ -205,8 +205,8 @@ impl Pacer {
         // all, a row written from now on is due later, or fresh (the on-time lane's), or
         // behind (the next sweep's).
         let stands = match probe.earliest {
-            Some(s) => db_offset(probe.now, s).map(|t| t - PROBE_ROUNDING),
-            None => Some(probe.now),
+            Some(s) => db_offset(probe.start, s).map(|t| t - PROBE_ROUNDING),
+            None => Some(probe.start),
         };
         k.advance(stands, now);
         // The first row beyond what we hold; an overdue one is the backlog's. A start

@@ -90,7 +90,7 @@ impl Writes {
                  (SELECT {secs} FROM {t} AS m \
                  WHERE {due_at} > greatest(coalesce($1::timestamptz, '-infinity'), \
                  now() - make_interval(secs => $2)) \
-                 ORDER BY {due_at} LIMIT 1), clock_timestamp()"
+                 ORDER BY {due_at} LIMIT 1), clock_timestamp(), now()"
             )
             .into(),
             counts: format!(

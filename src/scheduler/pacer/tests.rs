@@ -30,6 +30,7 @@ fn probe(earliest: Option<f64>, beyond: Option<f64>) -> Probe {
         earliest,
         beyond,
         now: t0().1,
+        start: t0().1,
     }
 }
 
@@ -471,4 +472,30 @@ fn a_sweep_looks_from_the_start_every_backlog_rescan() {
         backlog_done(0, false, 0, db(at, -8000)),
     );
     assert!(p.starts(later + MS).is_empty());
+}
+
+#[test]
+fn a_slow_probe_never_puts_the_bound_past_the_row_it_saw() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(3, 1), 1, now);
+    // The seconds count from the statement's now(); its clock was read 800 ms later.
+    let slow = Probe {
+        earliest: Some(-0.5),
+        beyond: None,
+        now: db(at, 800),
+        start: at,
+    };
+    p.probed(0, now, slow);
+    assert_eq!(
+        p.window(0, Lane::Backlog).from,
+        Some(db(at, -500) - PROBE_ROUNDING)
+    );
+    // Nothing pending as of the statement's snapshot: not as of its end.
+    let empty = Probe {
+        earliest: None,
+        ..slow
+    };
+    let mut p = Pacer::new(config(3, 1), 1, now);
+    p.probed(0, now, empty);
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(at));
 }
