@@ -144,9 +144,9 @@ fn from_bound(param: &str) -> String {
 pub struct Window {
     pub horizon: Duration,
     pub fresh: Option<Duration>,
-    /// Only rows due at or after this database instant: a backlog drain resumes where
-    /// its last batch ended instead of walking the index entries of every row it
-    /// deleted (they stay in the index until vacuum, and each scan would pass them).
+    /// Only rows due at or after this database instant (where the scan stands, see
+    /// `scheduler/pacer.rs`): past the index entries of every row deleted before it
+    /// (they stay in the index until vacuum, and each scan would pass them).
     pub from: Option<DateTime<Utc>>,
 }
 

@@ -161,7 +161,7 @@ impl Pacer {
     }
 
     /// The kinds to probe now, with the instant each probe's `after` should be (the end
-    /// of the covered window, if any) and its `from` (where the backlog drain stands).
+    /// of the covered window, if any) and its `from` (where the scan stands).
     pub(crate) fn probes_due(&mut self, now: Instant) -> Vec<Probing> {
         self.kinds
             .iter()

@@ -121,6 +121,68 @@ async fn publish_share(ingress: String, seed: u64, from: usize, n: usize) -> Has
     sent
 }
 
+/// Three seeded publishers of `per` messages each.
+fn spawn_publishers(
+    world: &World,
+    seed: u64,
+    per: usize,
+) -> Vec<tokio::task::JoinHandle<HashMap<String, Sent>>> {
+    (0..3)
+        .map(|p| {
+            tokio::spawn(publish_share(
+                world.ingress(),
+                seed + p as u64,
+                p * per,
+                per,
+            ))
+        })
+        .collect()
+}
+
+/// What the publishers sent, once they are done.
+async fn all_sent(
+    publishers: Vec<tokio::task::JoinHandle<HashMap<String, Sent>>>,
+) -> HashMap<String, Sent> {
+    let mut sent = HashMap::new();
+    for p in publishers {
+        sent.extend(p.await.expect("publisher"));
+    }
+    sent
+}
+
+/// Cancel the cancellable messages once every one of them is stored.
+async fn cancel_once_stored(world: &World, sent: &HashMap<String, Sent>, limit: Duration) {
+    let cancelled: Vec<&String> = sent
+        .iter()
+        .filter(|(_, s)| s.kind == Kind::Cancelled)
+        .map(|(id, _)| id)
+        .collect();
+    wait_for_async(limit, "cancellable ones stored", || async {
+        let stored = rows(world, "message_id LIKE 'm-%'").await;
+        cancelled
+            .iter()
+            .all(|c| stored.iter().any(|(id, ..)| id == *c))
+    })
+    .await;
+    for id in cancelled {
+        cancel(&world.ingress(), id).await;
+    }
+}
+
+/// Every message that should arrive has arrived at least once.
+async fn every_deliverable_received(inbox: &Inbox, sent: &HashMap<String, Sent>) {
+    let deliverable: Vec<&String> = sent
+        .iter()
+        .filter(|(_, s)| !matches!(s.kind, Kind::Junk | Kind::Cancelled))
+        .map(|(id, _)| id)
+        .collect();
+    wait_for(Duration::from_secs(60), "every deliverable message", || {
+        let counts = inbox.counts();
+        deliverable.iter().all(|id| counts.contains_key(*id))
+    })
+    .await;
+}
+
 async fn cancel(ingress: &str, id: &str) {
     let conn = amqp().await;
     let ch = conn.create_channel().await.expect("channel");
@@ -183,16 +245,7 @@ async fn kill_9_of_consuming_and_active_nodes_loses_nothing() {
     })
     .await;
     let per = 200;
-    let publishers: Vec<_> = (0..3)
-        .map(|p| {
-            tokio::spawn(publish_share(
-                world.ingress(),
-                seed + p as u64,
-                p * per,
-                per,
-            ))
-        })
-        .collect();
+    let publishers = spawn_publishers(&world, seed, per);
     // A consuming node that is not the active one dies mid-stream.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let passive = procs
@@ -200,30 +253,8 @@ async fn kill_9_of_consuming_and_active_nodes_loses_nothing() {
         .position(|p| p.node_id != lowest)
         .expect("passive");
     procs.remove(passive).signal("KILL");
-    let mut sent = HashMap::new();
-    for p in publishers {
-        sent.extend(p.await.expect("publisher"));
-    }
-    // Cancel the cancellable ones once stored.
-    let cancelled: Vec<String> = sent
-        .iter()
-        .filter(|(_, s)| s.kind == Kind::Cancelled)
-        .map(|(id, _)| id.clone())
-        .collect();
-    wait_for_async(
-        Duration::from_secs(20),
-        "cancellable ones stored",
-        || async {
-            let stored = rows(&world, "message_id LIKE 'm-%'").await;
-            cancelled
-                .iter()
-                .all(|c| stored.iter().any(|(id, ..)| id == c))
-        },
-    )
-    .await;
-    for id in &cancelled {
-        cancel(&world.ingress(), id).await;
-    }
+    let sent = all_sent(publishers).await;
+    cancel_once_stored(&world, &sent, Duration::from_secs(20)).await;
     // The active node dies while messages come due; a fresh node joins.
     let active = procs
         .iter()
@@ -231,16 +262,7 @@ async fn kill_9_of_consuming_and_active_nodes_loses_nothing() {
         .expect("active");
     procs.remove(active).signal("KILL");
     procs.push(Proc::spawn(&world).await);
-    let deliverable: Vec<&String> = sent
-        .iter()
-        .filter(|(_, s)| !matches!(s.kind, Kind::Junk | Kind::Cancelled))
-        .map(|(id, _)| id)
-        .collect();
-    wait_for(Duration::from_secs(60), "every deliverable message", || {
-        let counts = inbox.counts();
-        deliverable.iter().all(|id| counts.contains_key(*id))
-    })
-    .await;
+    every_deliverable_received(&inbox, &sent).await;
     settled(&world).await;
     // Only a batch in flight at the SIGKILL can repeat (≤ one batch per slot).
     check(&world, &inbox, &sent, 2 * 40).await;
@@ -284,16 +306,7 @@ async fn pipelined_ingest_survives_repeated_database_cuts() {
     })
     .await;
     let per = 200;
-    let publishers: Vec<_> = (0..3)
-        .map(|p| {
-            tokio::spawn(publish_share(
-                world.ingress(),
-                seed + p as u64,
-                p * per,
-                per,
-            ))
-        })
-        .collect();
+    let publishers = spawn_publishers(&world, seed, per);
     let stop_cuts = tokio_util::sync::CancellationToken::new();
     let cutter = tokio::spawn(cut_now_and_then(proxy, seed, stop_cuts.clone()));
     // A node dies while its batches are being retried: what it acknowledged must have
@@ -301,41 +314,11 @@ async fn pipelined_ingest_survives_repeated_database_cuts() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     procs.remove(0).signal("KILL");
     procs.push(Proc::spawn(&world).await);
-    let mut sent = HashMap::new();
-    for p in publishers {
-        sent.extend(p.await.expect("publisher"));
-    }
+    let sent = all_sent(publishers).await;
     stop_cuts.cancel();
     let (proxy, cuts) = cutter.await.expect("cutter");
-    let cancelled: Vec<String> = sent
-        .iter()
-        .filter(|(_, s)| s.kind == Kind::Cancelled)
-        .map(|(id, _)| id.clone())
-        .collect();
-    wait_for_async(
-        Duration::from_secs(30),
-        "cancellable ones stored",
-        || async {
-            let stored = rows(&world, "message_id LIKE 'm-%'").await;
-            cancelled
-                .iter()
-                .all(|c| stored.iter().any(|(id, ..)| id == c))
-        },
-    )
-    .await;
-    for id in &cancelled {
-        cancel(&world.ingress(), id).await;
-    }
-    let deliverable: Vec<&String> = sent
-        .iter()
-        .filter(|(_, s)| !matches!(s.kind, Kind::Junk | Kind::Cancelled))
-        .map(|(id, _)| id)
-        .collect();
-    wait_for(Duration::from_secs(60), "every deliverable message", || {
-        let counts = inbox.counts();
-        deliverable.iter().all(|id| counts.contains_key(*id))
-    })
-    .await;
+    cancel_once_stored(&world, &sent, Duration::from_secs(30)).await;
+    every_deliverable_received(&inbox, &sent).await;
     settled(&world).await;
     let retried = procs
         .iter()
