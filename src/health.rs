@@ -43,6 +43,8 @@ pub struct Health {
 #[derive(Debug, Default)]
 struct State {
     failing: [Option<Instant>; 3],
+    /// When each check last passed.
+    passed: [Option<Instant>; 3],
     /// Steps under way: (id, check, since).
     steps: Vec<(u64, Check, Instant)>,
     next_id: u64,
@@ -65,7 +67,9 @@ impl Drop for Step<'_> {
 
 impl Health {
     pub fn pass(&self, check: Check) {
-        self.lock().failing[check.index()] = None;
+        let mut state = self.lock();
+        state.failing[check.index()] = None;
+        state.passed[check.index()] = Some(Instant::now());
     }
 
     /// A failure keeps the instant of the first one in a row.
@@ -80,9 +84,11 @@ impl Health {
         }
     }
 
-    /// A step of `check` begins: until it ends it counts as failing since it began. A
-    /// step that hangs (a network that silently drops packets: no error for minutes)
-    /// then withdraws the node like an error would; a step of milliseconds never can.
+    /// A step of `check` begins: until it ends, or the check passes meanwhile, it counts
+    /// as failing since it began. A step that hangs (a network that silently drops
+    /// packets: no error for minutes) then withdraws the node like an error would; a step
+    /// of milliseconds never can, nor can a slow one (a walk over many deleted index
+    /// entries) while other steps of the same check go on passing: the database answers.
     pub fn step(&self, check: Check) -> Step<'_> {
         let mut state = self.lock();
         state.next_id += 1;
@@ -95,7 +101,7 @@ impl Health {
     /// been under way.
     pub fn failing_since(&self) -> Option<Instant> {
         let state = self.lock();
-        let steps = state.steps.iter().map(|(_, _, since)| *since);
+        let steps = state.pending_steps().map(|(_, since)| since);
         state.failing.iter().flatten().copied().chain(steps).min()
     }
 
@@ -104,9 +110,8 @@ impl Health {
         let state = self.lock();
         let slow = |c: &Check| {
             state
-                .steps
-                .iter()
-                .any(|(_, check, since)| check == c && since.elapsed() > SLOW_STEP)
+                .pending_steps()
+                .any(|(check, since)| check == *c && since.elapsed() > SLOW_STEP)
         };
         CHECKS
             .iter()
@@ -118,6 +123,16 @@ impl Health {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // Plain instants: a panicking holder cannot leave them inconsistent.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl State {
+    /// The steps under way whose check has not passed since they began.
+    fn pending_steps(&self) -> impl Iterator<Item = (Check, Instant)> + '_ {
+        self.steps
+            .iter()
+            .filter(|(_, check, since)| self.passed[check.index()].is_none_or(|p| p < *since))
+            .map(|(_, check, since)| (*check, *since))
     }
 }
 
@@ -150,6 +165,29 @@ mod tests {
         assert!(since.elapsed() < Duration::from_secs(1));
         assert!(h.failing().is_empty(), "not slow yet");
         drop(step);
+        assert_eq!(h.failing_since(), None);
+    }
+
+    #[test]
+    fn a_slow_step_does_not_count_while_its_check_passes_meanwhile() {
+        let h = Health::default();
+        let slow = h.step(Check::Postgres);
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(h.failing_since().is_some(), "nothing passed since it began");
+        h.pass(Check::Postgres);
+        assert_eq!(h.failing_since(), None, "the database answered meanwhile");
+        let publish = h.step(Check::Publish);
+        assert!(
+            h.failing_since().is_some(),
+            "another check's pass says nothing of it"
+        );
+        drop(publish);
+        let later = h.step(Check::Postgres);
+        assert!(
+            h.failing_since().is_some(),
+            "a step begun after the pass counts"
+        );
+        drop((slow, later));
         assert_eq!(h.failing_since(), None);
     }
 }

@@ -3,8 +3,8 @@
 //! at its due time (by the database's clock: waking early or late never sends early); a
 //! backlog of overdue rows drains oldest first, batch after batch, with a share kept for
 //! rows coming due meanwhile. Postgres `NOTIFY` tells of new and moved due times; the
-//! due index is probed every tick besides. Batches run as tasks of their own, so a
-//! probe or a slow commit never delays a held row.
+//! due index is probed every tick besides. Batches and probes run as tasks of their
+//! own, so a slow probe or a slow commit never delays a held row, nor the other kinds.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -135,6 +135,16 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
 /// What a batch task returns: its kind, lane and result.
 type Ran = (Fires, usize, Lane, Result<BatchOutcome, ScanError>);
 
+/// What a probe task returns: when it answered, and the answer.
+type Probed = (Instant, Result<crate::store::Probe, String>);
+
+/// The probes under way, and the kind of each.
+#[derive(Default)]
+struct Probes {
+    tasks: JoinSet<Probed>,
+    kinds: Vec<(tokio::task::Id, usize)>,
+}
+
 /// Fire as the pacer says until the lease is lost, the broker connection changes or we
 /// stop; then wait for the batches in flight (each commits or rolls back as a whole).
 async fn fire_while_active(
@@ -147,6 +157,9 @@ async fn fire_while_active(
     let kinds = kinds(&shared.settings);
     let mut pacer = Pacer::new(shared.pacing(), kinds.len(), Instant::now());
     let mut batches: JoinSet<Ran> = JoinSet::new();
+    // Probes run as tasks too: one walking many deleted index entries (seconds after a
+    // large drain) holds up neither the other kinds nor the batches' starts.
+    let mut probes = Probes::default();
     let mut lease = shared.lease.clone();
     let mut bus_rx = shared.bus.clone();
     let mut backoff = health_backoff(&shared.settings);
@@ -155,7 +168,7 @@ async fn fire_while_active(
         if notices.lost.swap(false, Ordering::Relaxed) {
             pacer.notified(None, None, Instant::now());
         }
-        probe(shared, &kinds, &mut pacer).await;
+        start_probes(shared, &kinds, &mut pacer, &mut probes);
         if batches.is_empty() {
             settle_leftovers(scanner, &shared.store).await;
             recheck_publish(shared).await;
@@ -163,7 +176,7 @@ async fn fire_while_active(
         for (kind, lane) in pacer.starts(Instant::now()) {
             let window = pacer.window(kind, lane);
             let fires = kinds[kind];
-            tracing::trace!(kind = fires.table().kind(), ?lane, "starting a batch");
+            tracing::trace!(kind = fires.table().kind(), ?lane, from = ?window.from, "starting a batch");
             let task = batch(shared.clone(), scanner.clone(), bus.clone(), fires, window);
             batches.spawn(async move { (fires, kind, lane, task.await) });
         }
@@ -177,6 +190,9 @@ async fn fire_while_active(
             _ = bus_rx.changed() => if !still_on(&mut bus_rx, bus) { break },
             Some(joined) = batches.join_next(), if !batches.is_empty() => {
                 finished(shared, &mut pacer, &mut backoff, summary, joined);
+            }
+            Some(joined) = probes.tasks.join_next_with_id(), if !probes.tasks.is_empty() => {
+                probed(shared, &kinds, &mut pacer, &mut probes, joined);
             }
             Some(n) = notices.rx.recv() => {
                 tracing::trace!(?n, "notified");
@@ -197,21 +213,52 @@ fn still_on(rx: &mut watch::Receiver<Option<Arc<Bus>>>, bus: &Arc<Bus>) -> bool 
         .is_some_and(|now| Arc::ptr_eq(now, bus))
 }
 
-/// Probe the kinds whose probe is due.
-async fn probe(shared: &Firing, kinds: &[Fires], pacer: &mut Pacer) {
+/// Start a probe of each kind whose probe is due (read-only: one still under way when
+/// the loop ends is dropped).
+fn start_probes(shared: &Arc<Firing>, kinds: &[Fires], pacer: &mut Pacer, probes: &mut Probes) {
     for Probing { kind, after, from } in pacer.probes_due(Instant::now()) {
-        let probed = probe_table(shared, kinds[kind].table(), after, from).await;
-        shared.health.record(Check::Postgres, &probed);
-        match probed {
-            Ok(p) => {
-                tracing::trace!(kind = kinds[kind].table().kind(), ?p, "probed");
-                pacer.probed(kind, Instant::now(), p)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, kind = kinds[kind].table().kind(), "cannot probe the due rows");
-                shared.probe.update(|s| s.database_ok = Some(false));
-                pacer.probe_failed(kind, Instant::now());
-            }
+        let (shared, table) = (shared.clone(), kinds[kind].table());
+        tracing::trace!(kind = table.kind(), ?after, ?from, "probing");
+        let task = probes.tasks.spawn(async move {
+            let probed = probe_table(&shared, table, after, from).await;
+            (Instant::now(), probed)
+        });
+        probes.kinds.push((task.id(), kind));
+    }
+}
+
+/// A probe answered: tell the pacer.
+fn probed(
+    shared: &Firing,
+    kinds: &[Fires],
+    pacer: &mut Pacer,
+    probes: &mut Probes,
+    joined: Result<(tokio::task::Id, Probed), tokio::task::JoinError>,
+) {
+    let id = joined.as_ref().map_or_else(|e| e.id(), |(id, _)| *id);
+    let Some(at) = probes.kinds.iter().position(|(task, _)| *task == id) else {
+        return;
+    };
+    let (_, kind) = probes.kinds.swap_remove(at);
+    let (at, probed) = match joined {
+        Ok((_, p)) => p,
+        Err(e) => {
+            // A panic is a bug; the kind is probed again in a tick.
+            tracing::error!(error = %e, "a probe failed");
+            (Instant::now(), Err(e.to_string()))
+        }
+    };
+    shared.health.record(Check::Postgres, &probed);
+    let name = kinds[kind].table().kind();
+    match probed {
+        Ok(p) => {
+            tracing::trace!(kind = name, ?p, "probed");
+            pacer.probed(kind, at, p)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, kind = name, "cannot probe the due rows");
+            shared.probe.update(|s| s.database_ok = Some(false));
+            pacer.probe_failed(kind, at);
         }
     }
 }
@@ -286,10 +333,12 @@ async fn settle_leftovers(scanner: &Scanner, store: &crate::store::Store) {
 async fn check_while_passive(shared: &Firing, scanner: &Scanner) {
     recheck_publish(shared).await;
     // The due-row index, not just `SELECT 1`: a table locked by someone else (a
-    // migration, an ALTER) fails the scan, and must fail this check too.
+    // migration, an ALTER) fails the scan, and must fail this check too. From now on
+    // only: from its start, the probe would walk every deleted row not yet vacuumed
+    // (seconds after a large drain, every time while an old snapshot keeps them).
     let mut pinged = Ok(());
     for kind in kinds(&shared.settings) {
-        if let Err(e) = probe_table(shared, kind.table(), None, None).await {
+        if let Err(e) = probe_table(shared, kind.table(), None, Some(Utc::now())).await {
             pinged = Err(e);
             break;
         }

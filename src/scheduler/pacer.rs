@@ -126,8 +126,14 @@ struct KindState {
     sweep: bool,
     on_time_running: usize,
     backlog_running: usize,
-    /// When to probe the due index next.
+    /// When to probe the due index next (`None` while a probe is under way and nothing
+    /// asked for another).
     probe_at: Option<Instant>,
+    /// A probe is under way, begun in `drains` (see [`KindState::restart_drain`]).
+    probing: Option<u64>,
+    /// How often the scan forgot where it stood: a probe begun before that must not
+    /// teach it again (rows it saw held may be due again since).
+    drains: u64,
 }
 
 #[derive(Debug)]
@@ -161,16 +167,22 @@ impl Pacer {
     }
 
     /// The kinds to probe now, with the instant each probe's `after` should be (the end
-    /// of the covered window, if any) and its `from` (where the scan stands).
+    /// of the covered window, if any) and its `from` (where the scan stands). Each is
+    /// under way until [`Pacer::probed`] or [`Pacer::probe_failed`]: one at a time per
+    /// kind, and one asked for meanwhile follows it.
     pub(crate) fn probes_due(&mut self, now: Instant) -> Vec<Probing> {
         self.kinds
-            .iter()
+            .iter_mut()
             .enumerate()
-            .filter(|(_, k)| k.probe_at.is_some_and(|at| at <= now))
-            .map(|(kind, k)| Probing {
-                kind,
-                after: k.covered,
-                from: k.from,
+            .filter(|(_, k)| k.probing.is_none() && k.probe_at.is_some_and(|at| at <= now))
+            .map(|(kind, k)| {
+                k.probe_at = None;
+                k.probing = Some(k.drains);
+                Probing {
+                    kind,
+                    after: k.covered,
+                    from: k.from,
+                }
             })
             .collect()
     }
@@ -199,7 +211,16 @@ impl Pacer {
         let fresh = self.config.fresh.as_secs_f64();
         let lead = self.config.lead;
         let k = &mut self.kinds[kind];
-        k.probe_at = Some(now + self.config.tick);
+        let tick = now + self.config.tick;
+        let began = k.probing.take();
+        // A probe asked for while this one was under way follows it.
+        k.probe_at = match (began, k.probe_at) {
+            (Some(_), Some(asked)) => Some(asked.min(tick)),
+            _ => Some(tick),
+        };
+        // Begun before the scan last forgot where it stood: what it saw held may be due
+        // again.
+        let current = began.is_none_or(|d| d == k.drains);
         k.backlog |= probe.earliest.is_some_and(|s| s < -fresh);
         // Nothing pending was due before the earliest row the probe saw; with none at
         // all, a row written from now on is due later, or fresh (the on-time lane's), or
@@ -208,7 +229,9 @@ impl Pacer {
             Some(s) => db_offset(probe.start, s).map(|t| t - PROBE_ROUNDING),
             None => Some(probe.start),
         };
-        k.advance(stands, now);
+        if current {
+            k.advance(stands, now);
+        }
         // The first row beyond what we hold; an overdue one is the backlog's. A start
         // asked for meanwhile (a notification) stands.
         let next = probe
@@ -223,7 +246,9 @@ impl Pacer {
 
     /// A probe of `kind` failed: try again in a tick.
     pub(crate) fn probe_failed(&mut self, kind: usize, now: Instant) {
-        self.kinds[kind].probe_at = Some(now + self.config.tick);
+        let k = &mut self.kinds[kind];
+        k.probing = None;
+        k.probe_at = Some(now + self.config.tick);
     }
 
     /// The batches to start now (each then counts as running until [`Pacer::finished`]).
@@ -404,6 +429,7 @@ pub(crate) struct Probing {
 impl KindState {
     /// The next backlog batch and probe look from the start of the due index.
     fn restart_drain(&mut self) {
+        self.drains += 1;
         self.from = None;
         self.sweep_at = None;
         self.sweep = false;

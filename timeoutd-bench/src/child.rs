@@ -62,7 +62,7 @@ impl Daemon {
         let mut cmd = Command::new(&env.daemon_bin);
         cmd.arg("run")
             .envs(env.daemon_env(http))
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", &env.daemon_rust_log)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -73,7 +73,11 @@ impl Daemon {
         let pid = child.id().context("daemon has no pid")?;
         let stderr = child.stderr.take().context("daemon stderr")?;
         let log = Arc::new(DaemonLog::default());
-        tokio::spawn(read_log(stderr, log.clone()));
+        let copy = match &env.daemon_log {
+            Some(dir) => Some(log_file(dir, pid)?),
+            None => None,
+        };
+        tokio::spawn(read_log(stderr, log.clone(), copy));
         Ok(Self {
             child,
             pid,
@@ -183,9 +187,29 @@ pub(crate) fn free_local_addr() -> Result<SocketAddr> {
     Ok(listener.local_addr()?)
 }
 
-pub(crate) async fn read_log(stderr: tokio::process::ChildStderr, log: Arc<DaemonLog>) {
+/// Read the daemon's stderr into `log`, and a copy into `copy` if given (a failed write
+/// stops the copy, not the bench).
+pub(crate) async fn read_log(
+    stderr: tokio::process::ChildStderr,
+    log: Arc<DaemonLog>,
+    mut copy: Option<std::io::BufWriter<std::fs::File>>,
+) {
+    use std::io::Write;
     let mut lines = BufReader::new(stderr).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         log.read(&line);
+        if let Some(file) = &mut copy
+            && writeln!(file, "{line}").is_err()
+        {
+            copy = None;
+        }
     }
+}
+
+fn log_file(dir: &Path, pid: u32) -> Result<std::io::BufWriter<std::fs::File>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(format!("daemon-{pid}.log"));
+    let file =
+        std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    Ok(std::io::BufWriter::new(file))
 }

@@ -14,6 +14,9 @@ pub(crate) struct Env {
     /// Schemas of the idle-scan tables, dropped with the main one.
     pub(crate) idle_schemas: Mutex<Vec<String>>,
     pub(crate) daemon_bin: PathBuf,
+    /// `--daemon-log`: where daemon logs are written, if anywhere.
+    pub(crate) daemon_log: Option<PathBuf>,
+    pub(crate) daemon_rust_log: String,
     pub(crate) amqp_url: String,
     pub(crate) pg_url: String,
 }
@@ -50,6 +53,8 @@ impl Env {
             settings,
             idle_schemas: Mutex::new(Vec::new()),
             daemon_bin,
+            daemon_log: args.daemon_log.clone(),
+            daemon_rust_log: args.daemon_rust_log.clone(),
             amqp_url: args.amqp_url.clone(),
             pg_url: args.pg_url.clone(),
         };

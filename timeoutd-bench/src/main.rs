@@ -143,6 +143,13 @@ pub(crate) struct Args {
     /// Directory for bench.json and bench.svg.
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
+    /// Write each daemon's stderr (JSON log lines) to `<DIR>/daemon-<pid>.log`, to trace
+    /// a phase afterwards (with e.g. `--daemon-rust-log info,timeoutd::scheduler=trace`).
+    #[arg(long)]
+    pub(crate) daemon_log: Option<PathBuf>,
+    /// `RUST_LOG` of the daemons.
+    #[arg(long, default_value = "info")]
+    pub(crate) daemon_rust_log: String,
     /// The timeoutd binary. Default: `timeoutd` next to this program.
     #[arg(long)]
     pub(crate) daemon: Option<PathBuf>,

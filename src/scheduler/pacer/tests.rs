@@ -499,3 +499,56 @@ fn a_slow_probe_never_puts_the_bound_past_the_row_it_saw() {
     p.probed(0, now, empty);
     assert_eq!(p.window(0, Lane::Backlog).from, Some(at));
 }
+
+#[test]
+fn one_probe_per_kind_is_under_way_and_one_asked_for_meanwhile_follows_it() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(3, 1), 2, now);
+    assert_eq!(probes(&mut p, now), vec![(0, None), (1, None)]);
+    p.probed(1, now, probe(None, None));
+    // Kind 0's probe is slow (a walk over deleted rows): kind 1 goes on being probed.
+    let later = now + Duration::from_secs(1);
+    assert_eq!(probes(&mut p, later), vec![(1, None)]);
+    p.probed(1, later, probe(None, None));
+    // A batch ends meanwhile and asks for a probe: it follows the one under way at once.
+    assert_eq!(p.starts(later), vec![]);
+    p.notified(Some(0), None, later);
+    assert_eq!(p.starts(later), vec![(0, Lane::OnTime)]);
+    let clock = DbClock {
+        at: later,
+        db: t0().1,
+    };
+    p.finished(0, Lane::OnTime, later, short(clock, 1, t0().1));
+    assert_eq!(probes(&mut p, later), vec![]);
+    p.probed(0, later, probe(None, None));
+    assert_eq!(probes(&mut p, later), vec![(0, Some(t0().1))]);
+    p.probe_failed(0, later);
+    assert_eq!(probes(&mut p, later), vec![]);
+    assert_eq!(
+        probes(&mut p, later + 250 * MS),
+        vec![(0, Some(t0().1)), (1, None)]
+    );
+}
+
+#[test]
+fn a_probe_begun_before_the_scan_forgot_where_it_stood_teaches_it_nothing() {
+    let (now, _) = t0();
+    let mut p = draining(now);
+    p.finished(
+        0,
+        Lane::Backlog,
+        now,
+        backlog_done(500, true, 0, db(t0().1, -3000)),
+    );
+    let later = now + Duration::from_secs(1);
+    assert_eq!(probes(&mut p, later).len(), 1);
+    // The other batch fails while the probe is under way; the probe saw its rows held.
+    p.failed(0, Lane::Backlog, later, 100 * MS);
+    p.probed(0, later, probe(Some(-1.0), None));
+    assert_eq!(p.window(0, Lane::Backlog).from, None);
+    // The next probe teaches it again.
+    let again = later + Duration::from_secs(1);
+    assert_eq!(probes(&mut p, again).len(), 1);
+    p.probed(0, again, probe(Some(-1.0), None));
+    assert!(p.window(0, Lane::Backlog).from.is_some());
+}
