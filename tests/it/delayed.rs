@@ -619,3 +619,73 @@ async fn send_and_cancel(ingress: String, seed: u64, from: u64, n: u64) -> HashM
     let _ = conn.close(200, "OK".into()).await;
     fates
 }
+
+/// One kind's table cannot be read (a migration holds it: every statement on it waits)
+/// for longer than `member_ttl`: the other kind's messages are delivered on time all the
+/// while and the node keeps its role — probes run as tasks, and a statement under way
+/// does not withdraw a node whose other statements succeed. (Before: the scan loop
+/// awaited each blocked probe until its lock timeout, about a second every tick, and
+/// messages came up to that late.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_expectations_table_holds_up_neither_delayed_messages_nor_the_role() {
+    let (world, target) = delayed_world().await;
+    let inbox = Inbox::on_exchange(&target, "locked.#").await;
+    let node = world.start().await;
+    wait_active(&node).await;
+    let mut role = node.role.clone();
+    let left_active = tokio::spawn(async move {
+        while role.changed().await.is_ok() {
+            if *role.borrow_and_update() != Role::Active {
+                return;
+            }
+        }
+    });
+    let mut lock = world.pool.begin().await.expect("begin");
+    let table = format!("{}.expected_messages", world.schema);
+    // The schema is the test's own, made of hex digits.
+    let statement = format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE");
+    sqlx::query(sqlx::AssertSqlSafe(statement))
+        .execute(&mut *lock)
+        .await
+        .expect("lock");
+    let locked_at = std::time::Instant::now();
+    let (_conn, ch) = publisher().await;
+    let mut due = HashMap::new();
+    for i in 0..20i32 {
+        let delay = 300 + 150 * i;
+        let id = format!("locked-{i}");
+        let props = BasicProperties::default()
+            .with_message_id(id.clone().into())
+            .with_delivery_mode(2)
+            .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(delay))]));
+        let at = Utc::now() + chrono::Duration::milliseconds(delay.into());
+        publish(&ch, &world.ingress(), &format!("locked.{i}"), props, b"x").await;
+        due.insert(id, at);
+    }
+    wait_for(
+        Duration::from_secs(10),
+        "every delayed message while the other table is locked",
+        || inbox.len() == 20,
+    )
+    .await;
+    // Hold the lock past member_ttl (3 s) + a tick, when the node would have withdrawn.
+    let hold = Duration::from_millis(4500);
+    tokio::time::sleep(hold.saturating_sub(locked_at.elapsed())).await;
+    assert!(
+        !left_active.is_finished() && *node.role.borrow() == Role::Active,
+        "the node left the active role while one table was locked"
+    );
+    left_active.abort();
+    lock.rollback().await.expect("unlock");
+    let late: Vec<i64> = inbox
+        .all()
+        .iter()
+        .map(|got| (got.at - due[&got.message_id()]).num_milliseconds())
+        .collect();
+    assert!(
+        late.iter().all(|ms| (0..500).contains(ms)),
+        "lateness (ms) while the other table was locked: {late:?}"
+    );
+    node.stop().await;
+    world.cleanup().await;
+}
