@@ -200,7 +200,7 @@ impl Scanner {
         let started = Instant::now();
         let skip = self.skipped();
         let locked = self.db(self.db_bound, async {
-            let mut tx = store.begin().await?;
+            let mut tx = store.begin_scan().await?;
             let mut rows = K::lock_due(
                 store,
                 &mut tx,

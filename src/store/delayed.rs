@@ -128,6 +128,25 @@ const CANCEL_BUCKETS: u32 = 64;
 /// Expired cancels one cancel statement forgets.
 const FORGET: u32 = 100;
 
+/// The statement that finds and locks due delayed messages, for `table` (binds: see
+/// `lock_rows`).
+pub fn lock_delayed_sql(table: &str) -> String {
+    let (deadline, window, due_at, due) = (
+        DELAYED.deadline(),
+        DELAYED.window(),
+        DELAYED.due_at(),
+        DELAYED.due_columns(),
+    );
+    format!(
+        "SELECT m.id, m.message_id, {deadline} AS deliver_at, m.exchange, \
+         m.routing_key, m.properties::text AS properties, \
+         CASE WHEN octet_length(m.body) <= $2 THEN m.body END AS body, \
+         octet_length(m.body) AS body_bytes, m.attempts, m.created_at, {due} \
+         FROM {table} AS m WHERE {window} AND m.id <> ALL($3) \
+         ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
+    )
+}
+
 #[derive(Debug, Clone)]
 pub(super) struct Statements {
     order: Arc<str>,
@@ -148,12 +167,7 @@ impl Statements {
         // users of two-key advisory locks (a collision would only make them wait).
         let space = format!("hashtext('timeoutd.delayed_messages:{schema}')");
         let mask = CANCEL_BUCKETS - 1;
-        let (deadline, window, due_at, due) = (
-            DELAYED.deadline(),
-            DELAYED.window(),
-            DELAYED.due_at(),
-            DELAYED.due_columns(),
-        );
+        let deadline = DELAYED.deadline();
         let cols = format!(
             "m.id, m.message_id, {deadline} AS deliver_at, m.exchange, m.routing_key, \
              octet_length(m.body) AS body_bytes, m.attempts, m.last_error, \
@@ -215,15 +229,7 @@ impl Statements {
             )
             .into(),
             cancel: format!("DELETE FROM {t} WHERE message_id = ANY($1)").into(),
-            lock_due: format!(
-                "SELECT m.id, m.message_id, {deadline} AS deliver_at, m.exchange, \
-                 m.routing_key, m.properties::text AS properties, \
-                 CASE WHEN octet_length(m.body) <= $2 THEN m.body END AS body, \
-                 octet_length(m.body) AS body_bytes, m.attempts, m.created_at, {due} \
-                 FROM {t} AS m WHERE {window} AND m.id <> ALL($3) \
-                 ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
-            )
-            .into(),
+            lock_due: lock_delayed_sql(&t).into(),
             body: format!("SELECT body FROM {t} WHERE id = $1").into(),
             list_all: format!("SELECT {cols} FROM {t} AS m ORDER BY m.deliver_at LIMIT $1").into(),
             list_failing: format!(

@@ -161,6 +161,14 @@ impl World {
             .expect("count")
     }
 
+    /// Run one statement of the test's own.
+    pub async fn exec(&self, sql: &str) {
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
     /// The delayed-message ingress exchange and queue of this world's group.
     pub fn ingress(&self) -> String {
         format!("timeoutd.delay.{}", self.group)

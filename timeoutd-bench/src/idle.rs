@@ -116,7 +116,7 @@ pub(crate) async fn time_scans(
 
 /// One scan as the daemon runs it: in a transaction (rolled back), timed on the client.
 pub(crate) async fn time_scan(conn: &mut PgConnection, sql: &str) -> Result<f64> {
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let mut tx = sqlx::Connection::begin_with(&mut *conn, timeoutd::store::SCAN_BEGIN).await?;
     let started = Instant::now();
     let found = lock_due(sql).fetch_all(&mut *tx).await?;
     let elapsed = started.elapsed().as_secs_f64() * 1e3;
@@ -132,7 +132,7 @@ pub(crate) async fn explain(conn: &mut PgConnection, table: &str) -> Result<(Vec
         "EXPLAIN (ANALYZE, BUFFERS) {}",
         timeoutd::store::lock_due_sql(table)
     );
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let mut tx = sqlx::Connection::begin_with(&mut *conn, timeoutd::store::SCAN_BEGIN).await?;
     let plan: Vec<String> = lock_due(&sql)
         .fetch_all(&mut *tx)
         .await?
