@@ -8,7 +8,9 @@
 //!   sends each at its due time. The next such batch starts `lead` before the first row
 //!   due after the window the last one covered, so rows are held a little ahead of their
 //!   time and sent on the dot. A new row inside a covered window (a notification) starts
-//!   a batch at once: the one holding the window skipped it.
+//!   a batch at once: the one holding the window skipped it. A window that holds more
+//!   than a batch (a burst due at once) is taken in parts side by side, by every slot
+//!   the backlog leaves free.
 //! - **backlog**: rows overdue by more than `fresh` (after an outage, or a burst larger
 //!   than the on-time lane drains in time), locked oldest first, batch after batch while
 //!   batches come back full.
@@ -124,6 +126,10 @@ struct KindState {
     /// When the next sweep is due (set once `from` is), and whether one should start.
     sweep_at: Option<Instant>,
     sweep: bool,
+    /// An on-time batch came back full: its window holds more rows than one batch (a
+    /// burst due at once), so the slots the backlog leaves free take parts of it too,
+    /// until one comes back short.
+    on_time_more: bool,
     on_time_running: usize,
     backlog_running: usize,
     /// When to probe the due index next (`None` while a probe is under way and nothing
@@ -285,7 +291,20 @@ impl Pacer {
             };
             starts.push((kind, lane));
         }
+        self.more_on_time(free, &mut starts);
         starts
+    }
+
+    /// Slots left over go to windows known to hold more than one batch, kind by kind.
+    fn more_on_time(&mut self, mut free: usize, starts: &mut Vec<(usize, Lane)>) {
+        let fresh_first = self.config.fresh_slots > 0;
+        for (kind, k) in self.kinds.iter_mut().enumerate() {
+            while free > 0 && k.on_time_more && (fresh_first || !k.backlog) {
+                k.on_time_running += 1;
+                free -= 1;
+                starts.push((kind, Lane::OnTime));
+            }
+        }
     }
 
     /// A batch of `kind` in `lane` ended at `now`.
@@ -298,6 +317,7 @@ impl Pacer {
         match lane {
             Lane::OnTime => {
                 k.on_time_running = k.on_time_running.saturating_sub(1);
+                k.on_time_more = f.full;
                 if f.full {
                     // More rows in this window: take the next part at once.
                     k.covered = k.covered.max(f.last_due);
@@ -331,6 +351,7 @@ impl Pacer {
         if f.untouched > 0 {
             // Rows it held are due again and no notification will say so.
             k.covered = None;
+            k.on_time_more = false;
             k.restart_drain();
             k.probe_at = Some(now);
         }
@@ -345,6 +366,7 @@ impl Pacer {
         }
         k.covered = None;
         k.on_time_at = None;
+        k.on_time_more = false;
         k.backlog = false;
         k.restart_drain();
         k.probe_at = Some(now + delay);

@@ -97,19 +97,53 @@ fn a_short_window_covers_its_end_and_the_next_probe_looks_beyond_it() {
 }
 
 #[test]
-fn a_full_window_is_followed_by_another_batch_at_once() {
+fn a_window_fuller_than_a_batch_takes_every_free_slot_until_a_part_comes_back_short() {
     let (now, at) = t0();
     let mut p = Pacer::new(config(4, 1), 1, now);
     p.probed(0, now, probe(Some(0.0), Some(0.0)));
-    p.starts(now);
+    assert_eq!(
+        p.starts(now),
+        vec![(0, Lane::OnTime)],
+        "one, until it is full"
+    );
     let clock = DbClock { at: now, db: at };
     let full = Finished {
         full: true,
-        last_due: Some(db(at, 3)),
+        last_due: Some(db(at, 0)),
         ..short(clock, 500, db(at, 100))
     };
     p.finished(0, Lane::OnTime, now + MS, full);
-    assert_eq!(p.starts(now + MS), vec![(0, Lane::OnTime)]);
+    assert_eq!(p.starts(now + MS), vec![(0, Lane::OnTime); 4]);
+    p.finished(0, Lane::OnTime, now + 2 * MS, short(clock, 20, db(at, 100)));
+    assert!(p.starts(now + 2 * MS).is_empty(), "the window is empty");
+    p.finished(0, Lane::OnTime, now + 3 * MS, full);
+    assert_eq!(p.starts(now + 3 * MS), vec![(0, Lane::OnTime); 2]);
+    assert_eq!(p.running(), 4);
+}
+
+#[test]
+fn a_window_fuller_than_a_batch_leaves_the_backlog_its_share() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 2), 2, now);
+    p.probed(0, now, probe(Some(0.0), Some(0.0)));
+    p.probed(1, now, probe(Some(-60.0), None));
+    let first = vec![(0, Lane::OnTime), (1, Lane::Backlog), (1, Lane::Backlog)];
+    assert_eq!(p.starts(now), first);
+    let clock = DbClock { at: now, db: at };
+    let full = Finished {
+        full: true,
+        last_due: Some(db(at, 0)),
+        ..short(clock, 500, db(at, 100))
+    };
+    p.finished(0, Lane::OnTime, now + MS, full);
+    assert_eq!(p.starts(now + MS), vec![(0, Lane::OnTime); 2]);
+    let backlog = backlog_done(500, true, 0, db(at, -59_000));
+    p.finished(1, Lane::Backlog, now + 2 * MS, backlog);
+    assert_eq!(
+        p.starts(now + 2 * MS),
+        vec![(1, Lane::Backlog)],
+        "a slot the backlog frees stays the backlog's"
+    );
 }
 
 #[test]
