@@ -71,6 +71,10 @@ pub struct Delay {
     /// `prefetch / ingest_concurrency` messages, so the broker keeps delivering while
     /// the previous batch commits.
     pub ingest_concurrency: u8,
+    /// How long a batch waits for more messages after its first arrived: fewer, larger
+    /// transactions when messages arrive faster than one commits.
+    #[serde(with = "humantime_serde")]
+    pub ingest_linger: Duration,
     /// Larger bodies are kept, held as failing, never delivered.
     pub max_body: bytesize::ByteSize,
     /// How long a cancel message is remembered: its message arriving later (through
@@ -328,6 +332,12 @@ impl Settings {
                 format!("must be 1 to {MAX_INGEST_CONCURRENCY}"),
             ));
         }
+        if self.delay.ingest_linger > MAX_INGEST_LINGER {
+            return Err(ConfigError::invalid(
+                "delay.ingest_linger",
+                "must be 0s to 1s",
+            ));
+        }
         if !(Duration::from_secs(1)..=MAX_CANCEL_TTL).contains(&self.delay.cancel_ttl) {
             return Err(ConfigError::invalid(
                 "delay.cancel_ttl",
@@ -536,6 +546,8 @@ fn check_ca_file(key: &str, path: Option<&Path>) -> Result<(), ConfigError> {
 const MAX_CANCEL_TTL: Duration = Duration::from_secs(366 * 24 * 3600);
 /// More parallel inserts than this only compete for the database's cores and the pool.
 const MAX_INGEST_CONCURRENCY: u8 = 16;
+/// A batch that lingers longer only adds to every message's ingest lag.
+const MAX_INGEST_LINGER: Duration = Duration::from_secs(1);
 
 fn check_range(key: &str, v: u32, min: u32, max: u32) -> Result<(), ConfigError> {
     if !(min..=max).contains(&v) {

@@ -152,11 +152,12 @@ async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
     let rules = ctx.rules();
     let depth = usize::from(ctx.settings.delay.ingest_concurrency);
     let max = usize::from(ctx.settings.delay.prefetch).div_ceil(depth);
+    let linger = ctx.settings.delay.ingest_linger;
     let mut storing = FuturesOrdered::new();
     let ended = loop {
         let next = tokio::select! {
             _ = ctx.stop.cancelled() => break Ended::Stop,
-            batch = ingress.next_batch(max), if storing.len() < depth => Next::Batch(batch),
+            batch = ingress.next_batch(max, linger), if storing.len() < depth => Next::Batch(batch),
             Some(stored) = storing.next() => Next::Stored(stored),
         };
         match next {

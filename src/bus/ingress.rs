@@ -3,6 +3,8 @@
 //! as plain wire messages; they are acknowledged (all at once, `multiple`) only after
 //! the caller stored them.
 
+use std::time::{Duration, Instant};
+
 use futures_util::{FutureExt, StreamExt};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
@@ -11,6 +13,7 @@ use lapin::options::{
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Consumer, ExchangeKind};
+use tokio::time::timeout_at;
 
 use super::convert::wire_properties;
 use super::{Bus, BusError, bounded};
@@ -35,6 +38,11 @@ pub struct IngressSpec {
 pub struct Ingress {
     channel: Channel,
     consumer: Consumer,
+    /// Taken from the consumer for the next batch, and when the first of them was: kept
+    /// here, not in [`Ingress::next_batch`]'s future, so that dropping that future (the
+    /// caller's `select!`) loses no message.
+    gathered: Vec<Arrived>,
+    since: Option<Instant>,
 }
 
 /// One arrived message and the tag that acknowledges it.
@@ -92,7 +100,12 @@ impl Bus {
             FieldTable::default(),
         );
         let consumer = bounded("consume ingress", limit, consume).await?;
-        Ok(Ingress { channel, consumer })
+        Ok(Ingress {
+            channel,
+            consumer,
+            gathered: Vec::new(),
+            since: None,
+        })
     }
 
     /// The default target exchange exists afterwards: declared as a durable topic
@@ -137,23 +150,32 @@ fn is_precondition_failed(e: &lapin::Error) -> bool {
 }
 
 impl Ingress {
-    /// The next messages: waits for one, then takes what has already arrived, up to
-    /// `max`. `Err` when the channel or connection failed, or the broker cancelled us.
-    pub async fn next_batch(&mut self, max: usize) -> Result<Vec<Arrived>, BusError> {
-        let first = self
-            .consumer
-            .next()
-            .await
-            .ok_or(BusError::ConnectionLost)??;
-        let mut batch = vec![arrived(first)];
-        while batch.len() < max {
-            match self.consumer.next().now_or_never() {
-                Some(Some(d)) => batch.push(arrived(d?)),
-                Some(None) => return Err(BusError::ConnectionLost),
-                None => break,
-            }
+    /// The next messages: waits for one, then for more until `linger` after it, up to
+    /// `max`. Cancel-safe: what was taken waits for the next call. `Err` when the
+    /// channel or connection failed, or the broker cancelled us (the broker then
+    /// redelivers every unacknowledged message).
+    pub async fn next_batch(
+        &mut self,
+        max: usize,
+        linger: Duration,
+    ) -> Result<Vec<Arrived>, BusError> {
+        while self.gathered.len() < max {
+            let next = match self.since {
+                None => self.consumer.next().await,
+                Some(since) => match self.consumer.next().now_or_never() {
+                    Some(next) => next,
+                    None => match timeout_at((since + linger).into(), self.consumer.next()).await {
+                        Ok(next) => next,
+                        Err(_) => break,
+                    },
+                },
+            };
+            let delivery = next.ok_or(BusError::ConnectionLost)??;
+            self.since.get_or_insert_with(Instant::now);
+            self.gathered.push(arrived(delivery));
         }
-        Ok(batch)
+        self.since = None;
+        Ok(std::mem::take(&mut self.gathered))
     }
 
     /// Acknowledge every delivery up to and including `tag`.

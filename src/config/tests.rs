@@ -151,6 +151,11 @@ fn invalid_values_are_refused_naming_the_key() {
             "17",
             "delay.ingest_concurrency",
         ),
+        (
+            "TIMEOUTD__DELAY__INGEST_LINGER",
+            "2s",
+            "delay.ingest_linger",
+        ),
         ("TIMEOUTD__DELAY__CANCEL_TTL", "0s", "delay.cancel_ttl"),
         ("TIMEOUTD__DELAY__CANCEL_TTL", "400days", "delay.cancel_ttl"),
         ("TIMEOUTD__DELAY__EXCHANGE", "", "delay.exchange"),

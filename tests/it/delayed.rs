@@ -689,3 +689,56 @@ async fn a_locked_expectations_table_holds_up_neither_delayed_messages_nor_the_r
     node.stop().await;
     world.cleanup().await;
 }
+
+/// The ingress gathers a batch across awaits (it lingers for more messages), and the
+/// ingress task's `select!` drops that future whenever a stored batch finishes first:
+/// what was already taken must come back in the next batch, never be lost (a later
+/// `multiple` ack would then acknowledge it unstored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ingress_batch_dropped_while_it_gathers_loses_no_message() {
+    use timeoutd::bus::{Bus, IngressSpec};
+    const N: usize = 300;
+    let world = World::new().await;
+    let settings = world.settings();
+    let (bus, _announcements) = Bus::connect(&settings.amqp, &world.group, "gather-test")
+        .await
+        .expect("connect");
+    let spec = IngressSpec {
+        name: world.ingress(),
+        target_exchange: settings.delay.target_exchange.clone(),
+        prefetch: 1000,
+    };
+    let mut ingress = bus.ingress(&spec).await.expect("ingress");
+    let exchange = world.ingress();
+    let publishing = tokio::spawn(async move {
+        let (_conn, ch) = publisher().await;
+        for i in 0..N {
+            let props = BasicProperties::default().with_message_id(format!("m-{i}").into());
+            publish(&ch, &exchange, "k", props, b"x").await;
+        }
+    });
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    let (mut batches, mut dropped) = (0, 0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while seen.values().sum::<usize>() < N && tokio::time::Instant::now() < deadline {
+        tokio::select! {
+            batch = ingress.next_batch(64, Duration::from_millis(50)) => {
+                batches += 1;
+                for a in batch.expect("batch") {
+                    let id = a.message.properties.message_id.unwrap_or_default();
+                    *seen.entry(id).or_default() += 1;
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_millis(3)) => dropped += 1,
+        }
+    }
+    publishing.await.expect("publisher");
+    println!("{N} messages in {batches} batches; next_batch dropped {dropped} times");
+    assert!(
+        dropped > batches,
+        "the test did not interrupt gathering batches"
+    );
+    assert_eq!(seen.len(), N, "every message taken");
+    assert!(seen.values().all(|n| *n == 1), "each once");
+    world.cleanup().await;
+}
