@@ -138,7 +138,8 @@ type Ran = (Fires, usize, Lane, Result<BatchOutcome, ScanError>);
 /// What a probe task returns: when it answered, and the answer.
 type Probed = (Instant, Result<crate::store::Probe, String>);
 
-/// The probes under way, and the kind of each.
+/// The probes under way, and the kind of each (by task id: a probe that panicked
+/// returns nothing else to tell its kind by).
 #[derive(Default)]
 struct Probes {
     tasks: JoinSet<Probed>,
@@ -236,10 +237,10 @@ fn probed(
     joined: Result<(tokio::task::Id, Probed), tokio::task::JoinError>,
 ) {
     let id = joined.as_ref().map_or_else(|e| e.id(), |(id, _)| *id);
-    let Some(at) = probes.kinds.iter().position(|(task, _)| *task == id) else {
+    let Some(i) = probes.kinds.iter().position(|(task, _)| *task == id) else {
         return;
     };
-    let (_, kind) = probes.kinds.swap_remove(at);
+    let (_, kind) = probes.kinds.swap_remove(i);
     let (at, probed) = match joined {
         Ok((_, p)) => p,
         Err(e) => {

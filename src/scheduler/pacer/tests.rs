@@ -96,6 +96,15 @@ fn a_short_window_covers_its_end_and_the_next_probe_looks_beyond_it() {
     assert_eq!(p.starts(start), vec![(0, Lane::OnTime)]);
 }
 
+/// A full on-time batch of rows all due at `at`, the window ending 100 ms later.
+fn burst_part(clock: DbClock, at: DateTime<Utc>) -> Finished {
+    Finished {
+        full: true,
+        last_due: Some(at),
+        ..short(clock, 500, db(at, 100))
+    }
+}
+
 #[test]
 fn a_window_fuller_than_a_batch_takes_every_free_slot_until_a_part_comes_back_short() {
     let (now, at) = t0();
@@ -107,11 +116,7 @@ fn a_window_fuller_than_a_batch_takes_every_free_slot_until_a_part_comes_back_sh
         "one, until it is full"
     );
     let clock = DbClock { at: now, db: at };
-    let full = Finished {
-        full: true,
-        last_due: Some(db(at, 0)),
-        ..short(clock, 500, db(at, 100))
-    };
+    let full = burst_part(clock, at);
     p.finished(0, Lane::OnTime, now + MS, full);
     assert_eq!(p.starts(now + MS), vec![(0, Lane::OnTime); 4]);
     p.finished(0, Lane::OnTime, now + 2 * MS, short(clock, 20, db(at, 100)));
@@ -130,11 +135,7 @@ fn a_window_fuller_than_a_batch_leaves_the_backlog_its_share() {
     let first = vec![(0, Lane::OnTime), (1, Lane::Backlog), (1, Lane::Backlog)];
     assert_eq!(p.starts(now), first);
     let clock = DbClock { at: now, db: at };
-    let full = Finished {
-        full: true,
-        last_due: Some(db(at, 0)),
-        ..short(clock, 500, db(at, 100))
-    };
+    let full = burst_part(clock, at);
     p.finished(0, Lane::OnTime, now + MS, full);
     assert_eq!(p.starts(now + MS), vec![(0, Lane::OnTime); 2]);
     let backlog = backlog_done(500, true, 0, db(at, -59_000));
