@@ -74,7 +74,7 @@ pub const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET CONSTRAINTS A
 /// believes a window holding 100,000 rows holds a hundred, reads them all with a bitmap
 /// scan and sorts them for every batch (65 ms to 300 ms a batch in the delayed burst,
 /// against under 1 ms in index order). Nothing in that transaction needs a sort, so
-/// plans with one are ruled out.
+/// plans with one are priced out (a last resort: without the due index it would sort).
 pub const SCAN_BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
      SET CONSTRAINTS ALL IMMEDIATE; SET LOCAL enable_sort = off";
 

@@ -126,9 +126,9 @@ struct KindState {
     /// When the next sweep is due (set once `from` is), and whether one should start.
     sweep_at: Option<Instant>,
     sweep: bool,
-    /// An on-time batch came back full: its window holds more rows than one batch (a
-    /// burst due at once), so the slots the backlog leaves free take parts of it too,
-    /// until one comes back short.
+    /// The last on-time batch to finish came back full: its window holds more rows than
+    /// one batch (a burst due at once), so the slots the backlog leaves free take parts
+    /// of it too.
     on_time_more: bool,
     on_time_running: usize,
     backlog_running: usize,
@@ -319,9 +319,14 @@ impl Pacer {
                 k.on_time_running = k.on_time_running.saturating_sub(1);
                 k.on_time_more = f.full;
                 if f.full {
-                    // More rows in this window: take the next part at once.
                     k.covered = k.covered.max(f.last_due);
-                    k.on_time_at = Some(now);
+                    // More rows in this window: the lane's last part takes the next one at
+                    // once; while others run, a freed slot is the backlog's first (see
+                    // `more_on_time`), or every slot would stay on time under a load the
+                    // lane cannot drain.
+                    if k.on_time_running == 0 {
+                        k.on_time_at = Some(now);
+                    }
                 } else {
                     k.covered = k.covered.max(f.window_end);
                     k.probe_at = Some(now);

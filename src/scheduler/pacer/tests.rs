@@ -148,6 +148,39 @@ fn a_window_fuller_than_a_batch_leaves_the_backlog_its_share() {
 }
 
 #[test]
+fn a_backlog_found_while_a_window_is_taken_in_parts_gets_the_slots_they_free() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), 2, now);
+    p.probed(0, now, probe(Some(0.0), Some(0.0)));
+    p.probed(1, now, probe(None, None));
+    p.starts(now);
+    let clock = DbClock { at: now, db: at };
+    p.finished(0, Lane::OnTime, now + MS, burst_part(clock, at));
+    assert_eq!(p.starts(now + MS), vec![(0, Lane::OnTime); 4]);
+    p.probed(1, now + MS, probe(Some(-60.0), None));
+    for i in 2..5 {
+        let t = now + i * MS;
+        p.finished(0, Lane::OnTime, t, burst_part(clock, at));
+        assert_eq!(p.starts(t), vec![(1, Lane::Backlog)], "part {i}");
+    }
+    let t = now + 5 * MS;
+    p.finished(0, Lane::OnTime, t, burst_part(clock, at));
+    assert_eq!(
+        p.starts(t),
+        vec![(0, Lane::OnTime)],
+        "the lane's last part is followed by the next"
+    );
+    for i in 6..50 {
+        let t = now + i * MS;
+        p.finished(0, Lane::OnTime, t, burst_part(clock, at));
+        assert_eq!(p.starts(t), vec![(0, Lane::OnTime)], "part {i}");
+        let backlog = backlog_done(500, true, 0, db(at, -59_000));
+        p.finished(1, Lane::Backlog, t, backlog);
+        assert_eq!(p.starts(t), vec![(1, Lane::Backlog)], "backlog {i}");
+    }
+}
+
+#[test]
 fn a_row_notified_inside_a_held_window_is_fetched_at_once_others_at_their_time() {
     let (now, at) = t0();
     let mut p = Pacer::new(config(4, 1), 2, now);
