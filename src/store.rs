@@ -61,12 +61,19 @@ pub struct PendingCounts {
     pub failing: i64,
 }
 
+/// The text of [`BEGIN`], as a literal that [`SCAN_BEGIN`] extends.
+macro_rules! begin {
+    () => {
+        "BEGIN ISOLATION LEVEL READ COMMITTED; SET CONSTRAINTS ALL IMMEDIATE"
+    };
+}
+
 /// How writing transactions begin: READ COMMITTED whatever the server's default (a
 /// serialization failure at commit would fail a batch whose TimeOuts are already
 /// confirmed), and every deferred constraint checked at its statement instead of at
 /// COMMIT, so that a row the process manager's constraints refuse to delete fails in
 /// `settle`, alone, and never the commit of the whole batch.
-pub const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET CONSTRAINTS ALL IMMEDIATE";
+pub const BEGIN: &str = begin!();
 
 /// How the firing transaction begins: as [`BEGIN`], and never sorting. Its lock
 /// statement takes the first rows of a window in the due index's order. Right after a
@@ -75,8 +82,7 @@ pub const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET CONSTRAINTS A
 /// scan and sorts them for every batch (65 ms to 300 ms a batch in the delayed burst,
 /// against under 1 ms in index order). Nothing in that transaction needs a sort, so
 /// plans with one are priced out (a last resort: without the due index it would sort).
-pub const SCAN_BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
-     SET CONSTRAINTS ALL IMMEDIATE; SET LOCAL enable_sort = off";
+pub const SCAN_BEGIN: &str = concat!(begin!(), "; SET LOCAL enable_sort = off");
 
 /// The process manager's expectations (contract section 2).
 pub const EXPECTATIONS: Table = Table {
