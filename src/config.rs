@@ -164,6 +164,10 @@ pub struct Scan {
     /// Of `concurrency`, batches kept for rows that came due within the last second
     /// while a backlog drains (0: strictly oldest first).
     pub fresh_slots: u32,
+    /// How often the due index is probed besides the notifications while the LISTEN
+    /// connection is up (every `election.tick` while it is not, and never more often).
+    #[serde(with = "humantime_serde")]
+    pub probe_interval: Duration,
     #[serde(with = "humantime_serde")]
     pub retry_min: Duration,
     #[serde(with = "humantime_serde")]
@@ -330,6 +334,12 @@ impl Settings {
             return Err(ConfigError::invalid(
                 "delay.ingest_concurrency",
                 format!("must be 1 to {MAX_INGEST_CONCURRENCY}"),
+            ));
+        }
+        if self.scan.probe_interval > MAX_PROBE_INTERVAL {
+            return Err(ConfigError::invalid(
+                "scan.probe_interval",
+                "must be at most 1m",
             ));
         }
         if self.delay.ingest_linger > MAX_INGEST_LINGER {
@@ -548,6 +558,8 @@ const MAX_CANCEL_TTL: Duration = Duration::from_secs(366 * 24 * 3600);
 const MAX_INGEST_CONCURRENCY: u8 = 16;
 /// A batch that lingers longer only adds to every message's ingest lag.
 const MAX_INGEST_LINGER: Duration = Duration::from_secs(1);
+/// Beyond this a notification lost to a silently dead LISTEN connection waits too long.
+const MAX_PROBE_INTERVAL: Duration = Duration::from_secs(60);
 
 fn check_range(key: &str, v: u32, min: u32, max: u32) -> Result<(), ConfigError> {
     if !(min..=max).contains(&v) {

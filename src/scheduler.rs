@@ -66,6 +66,7 @@ impl Firing {
             concurrency: scan.concurrency as usize,
             fresh_slots: scan.fresh_slots as usize,
             tick: self.settings.election.tick,
+            probe_interval: scan.probe_interval.max(self.settings.election.tick),
         }
     }
 }
@@ -78,10 +79,27 @@ struct Notice {
     due: Option<DateTime<Utc>>,
 }
 
-/// Notifications on their way to the scan loop; `lost` when some were dropped.
+impl Notice {
+    /// Look at every kind now: what changed is unknown.
+    const ANY: Notice = Notice {
+        kind: None,
+        due: None,
+    };
+}
+
+/// What the listener shares with the scan loop besides the notices themselves.
+#[derive(Default)]
+struct NoticeState {
+    /// Some notices were dropped (the queue was full).
+    lost: AtomicBool,
+    /// The LISTEN connection is up: notices arrive.
+    listening: AtomicBool,
+}
+
+/// Notifications on their way to the scan loop.
 struct Notices {
     rx: mpsc::Receiver<Notice>,
-    lost: Arc<AtomicBool>,
+    state: Arc<NoticeState>,
 }
 
 /// The scan loop of one node (runs for the daemon's whole life; idle while passive).
@@ -93,9 +111,9 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
         shared.health.clone(),
     ));
     let (tx, rx) = mpsc::channel(NOTICES);
-    let lost = Arc::new(AtomicBool::new(false));
-    let listener = tokio::spawn(listen(shared.clone(), tx, lost.clone()));
-    let mut notices = Notices { rx, lost };
+    let state = Arc::new(NoticeState::default());
+    let listener = tokio::spawn(listen(shared.clone(), tx, state.clone()));
+    let mut notices = Notices { rx, state };
     let mut lease = shared.lease.clone();
     let mut bus = shared.bus.clone();
     let mut summary = Summary::new();
@@ -166,7 +184,9 @@ async fn fire_while_active(
     let mut backoff = health_backoff(&shared.settings);
     loop {
         shared.probe.beat(&shared.probe.scan_beat);
-        if notices.lost.swap(false, Ordering::Relaxed) {
+        let listening = notices.state.listening.load(Ordering::Relaxed);
+        pacer.listening(listening, Instant::now());
+        if notices.state.lost.swap(false, Ordering::Relaxed) {
             pacer.notified(None, None, Instant::now());
         }
         start_probes(shared, &kinds, &mut pacer, &mut probes);
@@ -391,48 +411,57 @@ async fn probe_table(
     }
 }
 
-/// Forward the trigger's notifications to the scan loop; reconnect with backoff.
-async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, lost: Arc<AtomicBool>) {
-    let s = &shared.settings;
-    let mut backoff = health_backoff(s);
+/// Forward the trigger's notifications to the scan loop; reconnect with backoff. After
+/// every LISTEN it asks for one look at every kind: what was written before it (or in the
+/// gap after a lost connection) was told to nobody.
+async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, notices: Arc<NoticeState>) {
+    let mut backoff = health_backoff(&shared.settings);
     let send = |n: Notice| {
         if tx.try_send(n).is_err() {
-            lost.store(true, Ordering::Relaxed);
+            notices.lost.store(true, Ordering::Relaxed);
         }
     };
     loop {
         let listening = shared.store.listener().await;
         shared.health.record(Check::Listen, &listening);
-        let mut listener = match listening {
-            Ok(l) => l,
+        match listening {
+            Ok(mut listener) => {
+                backoff.reset();
+                notices.listening.store(true, Ordering::Relaxed);
+                send(Notice::ANY);
+                let lost = forward(&shared, &mut listener, &send).await;
+                notices.listening.store(false, Ordering::Relaxed);
+                let Some(e) = lost else { return };
+                tracing::warn!(error = %e, "LISTEN connection lost; probing every tick meanwhile");
+                shared.health.fail(Check::Listen, Instant::now());
+            }
             Err(e) => {
-                let delay = backoff.next_delay();
-                tracing::warn!(error = %Chain(&e), retry_in = ?delay, "cannot LISTEN; scanning every tick meanwhile");
-                if !sleep_or_stop(&shared.stop, delay).await {
-                    return;
-                }
-                continue;
+                tracing::warn!(error = %Chain(&e), "cannot LISTEN; probing every tick meanwhile")
             }
+        }
+        if !sleep_or_stop(&shared.stop, backoff.next_delay()).await {
+            return;
+        }
+    }
+}
+
+/// Notifications of `listener` until it is lost (why) or we stop (`None`).
+async fn forward(
+    shared: &Firing,
+    listener: &mut sqlx::postgres::PgListener,
+    send: &impl Fn(Notice),
+) -> Option<String> {
+    loop {
+        let next = tokio::select! {
+            _ = shared.stop.cancelled() => return None,
+            n = listener.try_recv() => n,
         };
-        backoff.reset();
-        loop {
-            let next = tokio::select! {
-                _ = shared.stop.cancelled() => return,
-                n = listener.try_recv() => n,
-            };
-            match next {
-                Ok(Some(n)) => send(parse_notice(n.payload())),
-                // Reconnected: notifications in the gap are lost, so look once now.
-                Ok(None) => send(Notice {
-                    kind: None,
-                    due: None,
-                }),
-                Err(e) => {
-                    tracing::warn!(error = %Chain(&e), "LISTEN connection failed");
-                    shared.health.fail(Check::Listen, Instant::now());
-                    break;
-                }
-            }
+        match next {
+            Ok(Some(n)) => send(parse_notice(n.payload())),
+            // sqlx would reconnect on the next call, but only a new LISTEN tells us when
+            // it is back, and the look after it must come after it.
+            Ok(None) => return Some("the connection closed".to_owned()),
+            Err(e) => return Some(Chain(&e).to_string()),
         }
     }
 }
@@ -441,10 +470,7 @@ async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, lost: Arc<AtomicB
 /// infinite due time; anything else asks to look at every kind now.
 fn parse_notice(payload: &str) -> Notice {
     let Some((kind, micros)) = payload.split_once(':') else {
-        return Notice {
-            kind: None,
-            due: None,
-        };
+        return Notice::ANY;
     };
     let kind = Fires::ALL.into_iter().find(|f| f.table().kind() == kind);
     match micros {

@@ -156,6 +156,11 @@ fn invalid_values_are_refused_naming_the_key() {
             "2s",
             "delay.ingest_linger",
         ),
+        (
+            "TIMEOUTD__SCAN__PROBE_INTERVAL",
+            "2m",
+            "scan.probe_interval",
+        ),
         ("TIMEOUTD__DELAY__CANCEL_TTL", "0s", "delay.cancel_ttl"),
         ("TIMEOUTD__DELAY__CANCEL_TTL", "400days", "delay.cancel_ttl"),
         ("TIMEOUTD__DELAY__EXCHANGE", "", "delay.exchange"),

@@ -26,8 +26,8 @@
 //! at most `concurrency - fresh_slots` of them, so rows coming due now are not late by
 //! the whole drain (with `fresh_slots = 0` the on-time lane waits for the backlog:
 //! strictly oldest first). Backlog slots go to the kinds in turn, so one kind's backlog
-//! never starves another's. A kind is probed every `tick` besides, in case a
-//! notification was lost.
+//! never starves another's. A kind is probed every `probe_interval` besides, in case a
+//! notification was lost, and every `tick` while none can arrive (no LISTEN connection).
 
 use std::time::{Duration, Instant};
 
@@ -65,6 +65,8 @@ pub(crate) struct Config {
     pub(crate) concurrency: usize,
     pub(crate) fresh_slots: usize,
     pub(crate) tick: Duration,
+    /// How often a kind is probed while notifications arrive (every `tick` otherwise).
+    pub(crate) probe_interval: Duration,
 }
 
 impl Config {
@@ -150,6 +152,8 @@ pub(crate) struct Pacer {
     clock: Option<DbClock>,
     /// The kind whose backlog goes first next time.
     turn: usize,
+    /// Notifications arrive (the LISTEN connection is up): probes are a safety net.
+    listening: bool,
 }
 
 impl Pacer {
@@ -164,6 +168,27 @@ impl Pacer {
             kinds: vec![state; kinds],
             clock: None,
             turn: 0,
+            listening: false,
+        }
+    }
+
+    /// Whether notifications arrive now. Without them nothing tells of a new row but a
+    /// probe: every kind is probed every tick from now on.
+    pub(crate) fn listening(&mut self, on: bool, now: Instant) {
+        if self.listening && !on {
+            let soon = now + self.config.tick;
+            for k in &mut self.kinds {
+                k.probe_at = k.probe_at.map(|at| at.min(soon));
+            }
+        }
+        self.listening = on;
+    }
+
+    fn probe_every(&self) -> Duration {
+        if self.listening {
+            self.config.probe_interval
+        } else {
+            self.config.tick
         }
     }
 
@@ -216,13 +241,13 @@ impl Pacer {
         });
         let fresh = self.config.fresh.as_secs_f64();
         let lead = self.config.lead;
+        let again = now + self.probe_every();
         let k = &mut self.kinds[kind];
-        let tick = now + self.config.tick;
         let began = k.probing.take();
         // A probe asked for while this one was under way follows it.
         k.probe_at = match (began, k.probe_at) {
-            (Some(_), Some(asked)) => Some(asked.min(tick)),
-            _ => Some(tick),
+            (Some(_), Some(asked)) => Some(asked.min(again)),
+            _ => Some(again),
         };
         // Begun before the scan last forgot where it stood: what it saw held may be due
         // again.

@@ -163,6 +163,75 @@ async fn a_new_deadline_wakes_the_node_before_its_tick() {
     world.cleanup().await;
 }
 
+/// With probes a minute apart, only notifications tell of new rows. Three times the
+/// active node's LISTEN session is terminated and rows due at once are written right
+/// after, while it reconnects, and nothing after them (a later row's batch would take
+/// them along): each still fires once, long before any probe would have found it (the
+/// node probes every tick while it cannot listen, and looks once more as soon as it
+/// listens again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_while_the_listen_connection_is_down_do_not_wait_for_a_probe() {
+    let mut world = World::new().await;
+    world.overrides.push((
+        "TIMEOUTD__SCAN__PROBE_INTERVAL".to_owned(),
+        "60s".to_owned(),
+    ));
+    world.migrate().await;
+    let inbox = Inbox::new().await;
+    let node = world.start().await;
+    wait_for(Duration::from_secs(10), "node active", || {
+        *node.role.borrow() == Role::Active
+    })
+    .await;
+    let started = Instant::now();
+    let mut written = 0;
+    for round in 0..3 {
+        wait_for_async(Duration::from_secs(10), "a LISTEN session", || {
+            listen_sessions(&world, node.node_id)
+        })
+        .await;
+        let killed: i64 = sqlx::query_scalar(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+        )
+        .bind(format!("timeoutd-{}", node.node_id))
+        .fetch_one(&world.pool)
+        .await
+        .expect("terminate");
+        assert_eq!(killed, 1, "round {round}: the LISTEN session");
+        for i in 0..3 {
+            let e = Expectation::new(&format!("gap-{round}-{i}"), "Reply", &inbox.queue);
+            world.expect(&e).await;
+            written += 1;
+        }
+        wait_for(Duration::from_secs(10), "the rows of the gap", || {
+            inbox.len() >= written
+        })
+        .await;
+    }
+    let took = started.elapsed();
+    let counts = inbox.counts();
+    assert_eq!(counts.len(), written, "distinct");
+    assert!(counts.values().all(|n| *n == 1), "each exactly once");
+    assert_eq!(world.count("true").await, 0, "every row deleted");
+    println!("{written} rows written around 3 lost LISTEN sessions fired within {took:?}");
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// Whether the node has a LISTEN session now.
+async fn listen_sessions(world: &World, node: uuid::Uuid) -> bool {
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+         AND query LIKE 'LISTEN%'",
+    )
+    .bind(format!("timeoutd-{node}"))
+    .fetch_one(&world.pool)
+    .await
+    .expect("sessions");
+    n == 1
+}
+
 /// Right after a mass insert the planner's statistics still describe the table before
 /// it: they promise a hundred rows in a window that holds 20,000, and reading them all
 /// with a bitmap scan and sorting them looks cheap (65–300 ms a batch in the benchmark's

@@ -11,6 +11,7 @@ fn config(concurrency: usize, fresh_slots: usize) -> Config {
         concurrency,
         fresh_slots,
         tick: 250 * MS,
+        probe_interval: 1000 * MS,
     }
 }
 
@@ -59,6 +60,43 @@ fn a_new_pacer_probes_every_kind_and_starts_nothing_blind() {
     let mut p = Pacer::new(config(4, 1), 2, now);
     assert_eq!(probes(&mut p, now), vec![(0, None), (1, None)]);
     assert!(p.starts(now).is_empty());
+}
+
+#[test]
+fn while_notifications_arrive_a_kind_is_probed_every_probe_interval_not_every_tick() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(4, 1), 2, now);
+    p.listening(true, now);
+    assert_eq!(probes(&mut p, now).len(), 2);
+    p.probed(0, now, probe(None, None));
+    p.probed(1, now, probe(None, None));
+    assert!(probes(&mut p, now + 999 * MS).is_empty());
+    assert_eq!(
+        p.wake_at(now),
+        now + 250 * MS,
+        "the loop still wakes every tick"
+    );
+    assert_eq!(probes(&mut p, now + 1000 * MS), vec![(0, None), (1, None)]);
+}
+
+#[test]
+fn without_notifications_a_kind_is_probed_every_tick_from_the_moment_they_stop() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(4, 1), 1, now);
+    p.listening(true, now);
+    probes(&mut p, now);
+    p.probed(0, now, probe(None, None));
+    let lost = now + 100 * MS;
+    p.listening(false, lost);
+    assert!(probes(&mut p, lost + 249 * MS).is_empty());
+    assert_eq!(probes(&mut p, lost + 250 * MS), vec![(0, None)]);
+    p.probed(0, lost + 250 * MS, probe(None, None));
+    assert_eq!(probes(&mut p, lost + 500 * MS), vec![(0, None)]);
+    // Back: the next probe after this one keeps the longer interval again.
+    p.listening(true, lost + 500 * MS);
+    p.probed(0, lost + 500 * MS, probe(None, None));
+    assert!(probes(&mut p, lost + 1499 * MS).is_empty());
+    assert_eq!(probes(&mut p, lost + 1500 * MS), vec![(0, None)]);
 }
 
 #[test]
