@@ -300,6 +300,7 @@ impl Pacer {
             k.on_time_running += 1;
             free -= 1;
             starts.push((kind, Lane::OnTime));
+            self.look_past_window(kind, now);
         }
         let cap = self.config.concurrency - self.config.fresh_slots;
         while free > 0 && self.backlog_running() < cap {
@@ -318,6 +319,21 @@ impl Pacer {
         }
         self.more_on_time(free, &mut starts);
         starts
+    }
+
+    /// An on-time batch starting `now` locks at least every row due up to the database's
+    /// clock now plus the horizon: count that window as held at once and look for the
+    /// first row past it, so that the next window's batch starts `lead` before that row
+    /// while this one still sends. Waiting for this one to commit first would make the
+    /// rows just past its window late by a commit, a probe and a lock.
+    fn look_past_window(&mut self, kind: usize, now: Instant) {
+        let Some(clock) = self.clock else { return };
+        let Ok(horizon) = chrono::Duration::from_std(self.config.horizon) else {
+            return;
+        };
+        let k = &mut self.kinds[kind];
+        k.covered = k.covered.max(Some(clock.db_at(now) + horizon));
+        k.probe_at = Some(now);
     }
 
     /// Slots left over go to windows known to hold more than one batch, kind by kind.
@@ -344,7 +360,9 @@ impl Pacer {
                 k.on_time_running = k.on_time_running.saturating_sub(1);
                 k.on_time_more = f.full;
                 if f.full {
-                    k.covered = k.covered.max(f.last_due);
+                    // Rows past its last one were not locked, whatever its start counted
+                    // as held (see `look_past_window`).
+                    k.covered = f.last_due;
                     // More rows in this window: the lane's last part takes the next one at
                     // once; while others run, a freed slot is the backlog's first (see
                     // `more_on_time`), or every slot would stay on time under a load the
@@ -354,7 +372,11 @@ impl Pacer {
                     }
                 } else {
                     k.covered = k.covered.max(f.window_end);
-                    k.probe_at = Some(now);
+                    // A later window's batch in flight looked past its own window when it
+                    // started (or ends in a probe of its own).
+                    if k.on_time_running == 0 {
+                        k.probe_at = Some(now);
+                    }
                 }
             }
             Lane::Backlog | Lane::Sweep => {

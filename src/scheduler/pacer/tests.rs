@@ -134,6 +134,61 @@ fn a_short_window_covers_its_end_and_the_next_probe_looks_beyond_it() {
     assert_eq!(p.starts(start), vec![(0, Lane::OnTime)]);
 }
 
+#[test]
+fn the_next_window_starts_lead_before_its_first_row_while_the_last_one_still_sends() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), 1, now);
+    probes(&mut p, now);
+    p.probed(0, now, probe(Some(0.1), Some(0.1)));
+    let first = now + 100 * MS - p.config().lead;
+    assert_eq!(p.starts(first), vec![(0, Lane::OnTime)]);
+    // From its start, its window counts as held: the probe looks past it at once.
+    let read = DbClock { at: now, db: at };
+    let end = read.db_at(first) + chrono::Duration::milliseconds(100);
+    assert_eq!(probes(&mut p, first), vec![(0, Some(end))]);
+    // The first row past it is due 92 ms after the probe answered.
+    let answered = read.db_at(first + MS);
+    let past = Probe {
+        now: answered,
+        start: answered,
+        ..probe(Some(0.01), Some(0.092))
+    };
+    p.probed(0, first + MS, past);
+    let next = first + MS + 92 * MS - p.config().lead;
+    assert!(p.starts(next - MS).is_empty());
+    assert_eq!(
+        p.starts(next),
+        vec![(0, Lane::OnTime)],
+        "the first still sends"
+    );
+    assert_eq!(p.running(), 2);
+    // The first ends short: the second looked past its own window when it started.
+    assert_eq!(probes(&mut p, next).len(), 1);
+    p.finished(0, Lane::OnTime, next + 30 * MS, short(read, 90, end));
+    assert!(probes(&mut p, next + 30 * MS).is_empty());
+    assert!(
+        p.kinds[0].covered > Some(end),
+        "the second's window stays held"
+    );
+}
+
+#[test]
+fn a_full_window_counts_as_held_only_up_to_its_last_row() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(1, 0), 1, now);
+    probes(&mut p, now);
+    p.probed(0, now, probe(Some(0.0), Some(0.0)));
+    assert_eq!(p.starts(now), vec![(0, Lane::OnTime)]);
+    let clock = DbClock { at: now, db: at };
+    p.finished(0, Lane::OnTime, now + MS, burst_part(clock, db(at, 5)));
+    assert_eq!(p.kinds[0].covered, Some(db(at, 5)));
+    // A row notified past its last one is not held: it waits for its own time.
+    p.notified(Some(0), Some(db(at, 60)), now + MS);
+    p.starts(now + MS);
+    p.finished(0, Lane::OnTime, now + 2 * MS, short(clock, 10, db(at, 101)));
+    assert_eq!(p.kinds[0].covered, Some(db(at, 101)));
+}
+
 /// A full on-time batch of rows all due at `at`, the window ending 100 ms later.
 fn burst_part(clock: DbClock, at: DateTime<Utc>) -> Finished {
     Finished {
@@ -627,13 +682,12 @@ fn one_probe_per_kind_is_under_way_and_one_asked_for_meanwhile_follows_it() {
     p.finished(0, Lane::OnTime, later, short(clock, 1, t0().1));
     assert_eq!(probes(&mut p, later), vec![]);
     p.probed(0, later, probe(None, None));
-    assert_eq!(probes(&mut p, later), vec![(0, Some(t0().1))]);
+    // It looks past the window the batch held from its start (see the next test).
+    let held = Some(db(t0().1, 100));
+    assert_eq!(probes(&mut p, later), vec![(0, held)]);
     p.probe_failed(0, later);
     assert_eq!(probes(&mut p, later), vec![]);
-    assert_eq!(
-        probes(&mut p, later + 250 * MS),
-        vec![(0, Some(t0().1)), (1, None)]
-    );
+    assert_eq!(probes(&mut p, later + 250 * MS), vec![(0, held), (1, None)]);
 }
 
 #[test]
