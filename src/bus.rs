@@ -8,7 +8,7 @@ mod publish;
 
 pub use convert::{lapin_properties, wire_properties};
 pub use ingress::{Arrived, DELIVERY_LIMIT, Ingress, IngressSpec};
-pub use publish::{Budget, Fate, PublishError, Published, ToPublish};
+pub use publish::{Budget, Fate, HANDED_OVER_TOGETHER, PublishError, Published, ToPublish};
 
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;

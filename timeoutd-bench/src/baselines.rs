@@ -97,26 +97,32 @@ pub(crate) fn baseline_messages(
 }
 
 /// Publish one window; returns how many were not confirmed (nacked, returned, error).
+/// Handed to lapin in parts awaited together, as the daemon does: awaiting each publish
+/// alone costs two thread wake-ups per message, and the limit would be that cost's.
 pub(crate) async fn publish_window(
     channel: &lapin::Channel,
     window: &[(Uuid, timeoutd::wire::Message)],
 ) -> Result<usize> {
     let mut confirms = Vec::with_capacity(window.len());
-    for (_, m) in window {
-        let options = BasicPublishOptions {
-            mandatory: true,
-            immediate: false,
-        };
-        let confirm = channel
-            .basic_publish(
-                m.exchange.as_str().into(),
-                m.routing_key.as_str().into(),
-                options,
-                &m.body,
-                timeoutd::bus::lapin_properties(&m.properties)?,
+    for part in window.chunks(timeoutd::bus::HANDED_OVER_TOGETHER) {
+        let handed = futures_util::future::join_all(part.iter().map(|(_, m)| async move {
+            let options = BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            };
+            let properties = timeoutd::bus::lapin_properties(&m.properties)?;
+            let exchange = m.exchange.as_str().into();
+            let key = m.routing_key.as_str().into();
+            anyhow::Ok(
+                channel
+                    .basic_publish(exchange, key, options, &m.body, properties)
+                    .await?,
             )
-            .await?;
-        confirms.push(confirm);
+        }))
+        .await;
+        for confirm in handed {
+            confirms.push(confirm?);
+        }
     }
     let mut failed = 0;
     for confirm in confirms {
