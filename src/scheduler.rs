@@ -3,7 +3,8 @@
 //! at its due time (by the database's clock: waking early or late never sends early); a
 //! backlog of overdue rows drains oldest first, batch after batch, with a share kept for
 //! rows coming due meanwhile. Postgres `NOTIFY` tells of new and moved due times; the
-//! due index is probed every tick besides. Batches and probes run as tasks of their
+//! due index is probed every `scan.probe_interval` besides (every tick while the LISTEN
+//! connection is down). Batches and probes run as tasks of their
 //! own, so a slow probe or a slow commit never delays a held row, nor the other kinds.
 
 use std::sync::Arc;
@@ -150,8 +151,9 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
     listener.abort();
 }
 
-/// What a batch task returns: its kind, lane and result.
-type Ran = (Fires, usize, Lane, Result<BatchOutcome, ScanError>);
+/// What a batch task returns: its kind, lane, the pacer's epoch of the kind when it
+/// started, and its result.
+type Ran = (Fires, usize, Lane, u64, Result<BatchOutcome, ScanError>);
 
 /// What a probe task returns: when it answered, and the answer.
 type Probed = (Instant, Result<crate::store::Probe, String>);
@@ -199,7 +201,8 @@ async fn fire_while_active(
             let fires = kinds[kind];
             tracing::trace!(kind = fires.table().kind(), ?lane, from = ?window.from, "starting a batch");
             let task = batch(shared.clone(), scanner.clone(), bus.clone(), fires, window);
-            batches.spawn(async move { (fires, kind, lane, task.await) });
+            let began = pacer.epoch(kind);
+            batches.spawn(async move { (fires, kind, lane, began, task.await) });
         }
         let wake = pacer.wake_at(Instant::now());
         tracing::trace!(in_ = ?wake.saturating_duration_since(Instant::now()), running = pacer.running(), "sleeping");
@@ -293,7 +296,7 @@ fn finished(
     joined: Result<Ran, tokio::task::JoinError>,
 ) {
     let now = Instant::now();
-    let (kind, index, lane, result) = match joined {
+    let (kind, index, lane, began, result) = match joined {
         Ok(ran) => ran,
         Err(e) => {
             // A panic is a bug; its transaction was dropped, which rolls it back.
@@ -318,6 +321,7 @@ fn finished(
                     clock: outcome.clock,
                     last_due: outcome.last_due,
                     window_end: outcome.window_end,
+                    began,
                 },
             );
         }

@@ -332,6 +332,9 @@ impl Store {
     /// A listener on [`Store::notify_channel`] (one pooled connection, held).
     pub async fn listener(&self) -> Result<PgListener, StoreError> {
         let mut listener = PgListener::connect_with(&self.pool).await?;
+        // A lost connection ends the listener: the scan must know when it listens again
+        // (see `scheduler::listen`), which sqlx's own reconnect would hide.
+        listener.eager_reconnect(false);
         listener.listen(&self.notify_channel()).await?;
         Ok(listener)
     }

@@ -109,6 +109,8 @@ pub(crate) struct Finished {
     pub(crate) last_due: Option<DateTime<Utc>>,
     /// Up to when it locked every row due (if it locked any).
     pub(crate) window_end: Option<DateTime<Utc>>,
+    /// [`Pacer::epoch`] of its kind when it started.
+    pub(crate) began: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -216,6 +218,14 @@ impl Pacer {
                 }
             })
             .collect()
+    }
+
+    /// How often `kind`'s scan forgot where it stood so far: a batch started now passes
+    /// it back in [`Finished::began`]. One that began before the scan last forgot may
+    /// have skipped rows another batch held then and let go since: what it covered
+    /// proves nothing.
+    pub(crate) fn epoch(&self, kind: usize) -> u64 {
+        self.kinds[kind].drains
     }
 
     /// What a batch of `kind` in `lane` locks.
@@ -356,6 +366,11 @@ impl Pacer {
         let tick = self.config.tick;
         let k = &mut self.kinds[kind];
         match lane {
+            Lane::OnTime if f.began != k.drains => {
+                k.on_time_running = k.on_time_running.saturating_sub(1);
+                k.on_time_more = f.full;
+                k.probe_at = Some(now);
+            }
             Lane::OnTime => {
                 k.on_time_running = k.on_time_running.saturating_sub(1);
                 k.on_time_more = f.full;

@@ -51,6 +51,7 @@ fn short(clock: DbClock, locked: usize, window_end: DateTime<Utc>) -> Finished {
         clock: Some(clock),
         last_due: None,
         window_end: Some(window_end),
+        began: 0,
     }
 }
 
@@ -173,6 +174,39 @@ fn the_next_window_starts_lead_before_its_first_row_while_the_last_one_still_sen
 }
 
 #[test]
+fn a_window_begun_before_the_scan_forgot_where_it_stood_covers_nothing() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), 1, now);
+    probes(&mut p, now);
+    p.probed(0, now, probe(Some(0.0), Some(0.0)));
+    assert_eq!(p.starts(now), vec![(0, Lane::OnTime)]);
+    let began = p.epoch(0);
+    p.notified(Some(0), None, now);
+    assert_eq!(p.starts(now), vec![(0, Lane::OnTime)]);
+    // The first leaves rows unsent: they are due again, and the second skipped them.
+    let clock = DbClock { at: now, db: at };
+    let left = Finished {
+        untouched: 3,
+        ..short(clock, 10, db(at, 100))
+    };
+    p.finished(0, Lane::OnTime, now + MS, left);
+    assert_ne!(p.epoch(0), began);
+    probes(&mut p, now + MS);
+    p.probe_failed(0, now + MS);
+    let second = Finished {
+        began,
+        ..short(clock, 10, db(at, 150))
+    };
+    p.finished(0, Lane::OnTime, now + 2 * MS, second);
+    assert_eq!(p.kinds[0].covered, None, "its window proves nothing");
+    assert_eq!(
+        probes(&mut p, now + 2 * MS),
+        vec![(0, None)],
+        "look from the start"
+    );
+}
+
+#[test]
 fn a_full_window_counts_as_held_only_up_to_its_last_row() {
     let (now, at) = t0();
     let mut p = Pacer::new(config(1, 0), 1, now);
@@ -182,9 +216,11 @@ fn a_full_window_counts_as_held_only_up_to_its_last_row() {
     let clock = DbClock { at: now, db: at };
     p.finished(0, Lane::OnTime, now + MS, burst_part(clock, db(at, 5)));
     assert_eq!(p.kinds[0].covered, Some(db(at, 5)));
-    // A row notified past its last one is not held: it waits for its own time.
-    p.notified(Some(0), Some(db(at, 60)), now + MS);
-    p.starts(now + MS);
+    assert_eq!(
+        p.starts(now + MS),
+        vec![(0, Lane::OnTime)],
+        "the next part at once"
+    );
     p.finished(0, Lane::OnTime, now + 2 * MS, short(clock, 10, db(at, 101)));
     assert_eq!(p.kinds[0].covered, Some(db(at, 101)));
 }
@@ -345,6 +381,7 @@ fn strictly_oldest_first_holds_fresh_rows_back_while_a_backlog_drains() {
         clock: None,
         last_due: None,
         window_end: None,
+        began: 0,
     };
     p.finished(0, Lane::Backlog, now + MS, done);
     p.finished(0, Lane::Backlog, now + MS, done);
@@ -367,6 +404,7 @@ fn backlog_slots_go_to_the_kinds_in_turn() {
         clock: None,
         last_due: None,
         window_end: None,
+        began: 0,
     };
     p.finished(0, Lane::Backlog, now + MS, full);
     assert_eq!(p.starts(now + MS), vec![(1, Lane::Backlog)]);
@@ -385,6 +423,7 @@ fn a_backlog_batch_that_locks_nothing_waits_a_tick_instead_of_spinning() {
         clock: None,
         last_due: None,
         window_end: None,
+        began: 0,
     };
     p.finished(0, Lane::Backlog, now + MS, nothing);
     assert!(probes(&mut p, now + MS).is_empty());
@@ -505,6 +544,7 @@ fn backlog_done(locked: usize, full: bool, untouched: usize, last: DateTime<Utc>
         clock: None,
         last_due: Some(last),
         window_end: None,
+        began: 0,
     }
 }
 
