@@ -158,6 +158,15 @@ type Ran = (Fires, usize, Lane, u64, Result<BatchOutcome, ScanError>);
 /// What a probe task returns: when it answered, and the answer.
 type Probed = (Instant, Result<crate::store::Probe, String>);
 
+/// The batches in flight, and the kind and lane of each (by task id: a batch that
+/// panicked returns nothing else to tell them by, and the pacer must still count it
+/// as ended).
+#[derive(Default)]
+struct Batches {
+    tasks: JoinSet<Ran>,
+    started: Vec<(tokio::task::Id, usize, Lane)>,
+}
+
 /// The probes under way, and the kind of each (by task id: a probe that panicked
 /// returns nothing else to tell its kind by).
 #[derive(Default)]
@@ -177,7 +186,7 @@ async fn fire_while_active(
 ) {
     let kinds = kinds(&shared.settings);
     let mut pacer = Pacer::new(shared.pacing(), kinds.len(), Instant::now());
-    let mut batches: JoinSet<Ran> = JoinSet::new();
+    let mut batches = Batches::default();
     // Probes run as tasks too: one walking many deleted index entries (seconds after a
     // large drain) holds up neither the other kinds nor the batches' starts.
     let mut probes = Probes::default();
@@ -192,7 +201,7 @@ async fn fire_while_active(
             pacer.notified(None, None, Instant::now());
         }
         start_probes(shared, &kinds, &mut pacer, &mut probes);
-        if batches.is_empty() {
+        if batches.tasks.is_empty() {
             settle_leftovers(scanner, &shared.store).await;
             recheck_publish(shared).await;
         }
@@ -202,7 +211,10 @@ async fn fire_while_active(
             tracing::trace!(kind = fires.table().kind(), ?lane, from = ?window.from, "starting a batch");
             let task = batch(shared.clone(), scanner.clone(), bus.clone(), fires, window);
             let began = pacer.epoch(kind);
-            batches.spawn(async move { (fires, kind, lane, began, task.await) });
+            let task = batches
+                .tasks
+                .spawn(async move { (fires, kind, lane, began, task.await) });
+            batches.started.push((task.id(), kind, lane));
         }
         let wake = pacer.wake_at(Instant::now());
         tracing::trace!(in_ = ?wake.saturating_duration_since(Instant::now()), running = pacer.running(), "sleeping");
@@ -212,8 +224,8 @@ async fn fire_while_active(
             // A clone of the shared receiver starts with its version unseen: only another
             // connection ends this loop, or every batch would wait for the whole drain.
             _ = bus_rx.changed() => if !still_on(&mut bus_rx, bus) { break },
-            Some(joined) = batches.join_next(), if !batches.is_empty() => {
-                finished(shared, &mut pacer, &mut backoff, summary, joined);
+            Some(joined) = batches.tasks.join_next_with_id(), if !batches.tasks.is_empty() => {
+                finished(shared, &mut pacer, &mut backoff, summary, &mut batches, joined);
             }
             Some(joined) = probes.tasks.join_next_with_id(), if !probes.tasks.is_empty() => {
                 probed(shared, &kinds, &mut pacer, &mut probes, joined);
@@ -225,8 +237,15 @@ async fn fire_while_active(
             _ = tokio::time::sleep_until(wake.into()) => {}
         }
     }
-    while let Some(joined) = batches.join_next().await {
-        finished(shared, &mut pacer, &mut backoff, summary, joined);
+    while let Some(joined) = batches.tasks.join_next_with_id().await {
+        finished(
+            shared,
+            &mut pacer,
+            &mut backoff,
+            summary,
+            &mut batches,
+            joined,
+        );
     }
 }
 
@@ -293,14 +312,22 @@ fn finished(
     pacer: &mut Pacer,
     backoff: &mut Backoff,
     summary: &mut Summary,
-    joined: Result<Ran, tokio::task::JoinError>,
+    batches: &mut Batches,
+    joined: Result<(tokio::task::Id, Ran), tokio::task::JoinError>,
 ) {
     let now = Instant::now();
-    let (kind, index, lane, began, result) = match joined {
-        Ok(ran) => ran,
-        Err(e) => {
-            // A panic is a bug; its transaction was dropped, which rolls it back.
+    let id = joined.as_ref().map_or_else(|e| e.id(), |(id, _)| *id);
+    let started = batches.started.iter().position(|(task, ..)| *task == id);
+    let started = started.map(|i| batches.started.swap_remove(i));
+    let (kind, index, lane, began, result) = match (joined, started) {
+        (Ok((_, ran)), _) => ran,
+        (Err(e), started) => {
+            // A panic is a bug; its transaction was dropped, which rolls it back. Its rows
+            // are due again: the pacer forgets what it held.
             tracing::error!(error = %e, "a scan batch failed");
+            if let Some((_, index, lane)) = started {
+                pacer.failed(index, lane, now, backoff.next_delay());
+            }
             return;
         }
     };
