@@ -200,7 +200,6 @@ async fn fire_while_active(
         if notices.state.lost.swap(false, Ordering::Relaxed) {
             pacer.notified(None, None, Instant::now());
         }
-        start_probes(shared, &kinds, &mut pacer, &mut probes);
         if batches.tasks.is_empty() {
             settle_leftovers(scanner, &shared.store).await;
             recheck_publish(shared).await;
@@ -216,6 +215,8 @@ async fn fire_while_active(
                 .spawn(async move { (fires, kind, lane, began, task.await) });
             batches.started.push((task.id(), kind, lane));
         }
+        // After the starts: an on-time start asks at once for a probe past its window.
+        start_probes(shared, &kinds, &mut pacer, &mut probes);
         let wake = pacer.wake_at(Instant::now());
         tracing::trace!(in_ = ?wake.saturating_duration_since(Instant::now()), running = pacer.running(), "sleeping");
         tokio::select! {
