@@ -151,20 +151,19 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
     listener.abort();
 }
 
-/// What a batch task returns: its kind, lane, the pacer's epoch of the kind when it
-/// started, and its result.
-type Ran = (Fires, usize, Lane, u64, Result<BatchOutcome, ScanError>);
+/// A batch in flight: its kind (and the pacer's index of it), its lane, and the pacer's
+/// epoch of the kind when it started.
+type Started = (Fires, usize, Lane, u64);
 
 /// What a probe task returns: when it answered, and the answer.
 type Probed = (Instant, Result<crate::store::Probe, String>);
 
-/// The batches in flight, and the kind and lane of each (by task id: a batch that
-/// panicked returns nothing else to tell them by, and the pacer must still count it
-/// as ended).
+/// The batches in flight, and what each is (by task id: a batch that panicked returns
+/// nothing to tell it by, and the pacer must still count it as ended).
 #[derive(Default)]
 struct Batches {
-    tasks: JoinSet<Ran>,
-    started: Vec<(tokio::task::Id, usize, Lane)>,
+    tasks: JoinSet<Result<BatchOutcome, ScanError>>,
+    started: Vec<(tokio::task::Id, Started)>,
 }
 
 /// The probes under way, and the kind of each (by task id: a probe that panicked
@@ -209,11 +208,10 @@ async fn fire_while_active(
             let fires = kinds[kind];
             tracing::trace!(kind = fires.table().kind(), ?lane, from = ?window.from, "starting a batch");
             let task = batch(shared.clone(), scanner.clone(), bus.clone(), fires, window);
-            let began = pacer.epoch(kind);
-            let task = batches
-                .tasks
-                .spawn(async move { (fires, kind, lane, began, task.await) });
-            batches.started.push((task.id(), kind, lane));
+            let task = batches.tasks.spawn(task);
+            batches
+                .started
+                .push((task.id(), (fires, kind, lane, pacer.epoch(kind))));
         }
         // After the starts: an on-time start asks at once for a probe past its window.
         start_probes(shared, &kinds, &mut pacer, &mut probes);
@@ -314,21 +312,21 @@ fn finished(
     backoff: &mut Backoff,
     summary: &mut Summary,
     batches: &mut Batches,
-    joined: Result<(tokio::task::Id, Ran), tokio::task::JoinError>,
+    joined: Result<(tokio::task::Id, Result<BatchOutcome, ScanError>), tokio::task::JoinError>,
 ) {
     let now = Instant::now();
     let id = joined.as_ref().map_or_else(|e| e.id(), |(id, _)| *id);
-    let started = batches.started.iter().position(|(task, ..)| *task == id);
-    let started = started.map(|i| batches.started.swap_remove(i));
-    let (kind, index, lane, began, result) = match (joined, started) {
-        (Ok((_, ran)), _) => ran,
-        (Err(e), started) => {
+    let Some(i) = batches.started.iter().position(|(task, _)| *task == id) else {
+        return;
+    };
+    let (_, (kind, index, lane, began)) = batches.started.swap_remove(i);
+    let result = match joined {
+        Ok((_, result)) => result,
+        Err(e) => {
             // A panic is a bug; its transaction was dropped, which rolls it back. Its rows
             // are due again: the pacer forgets what it held.
             tracing::error!(error = %e, "a scan batch failed");
-            if let Some((_, index, lane)) = started {
-                pacer.failed(index, lane, now, backoff.next_delay());
-            }
+            pacer.failed(index, lane, now, backoff.next_delay());
             return;
         }
     };

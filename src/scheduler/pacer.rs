@@ -366,15 +366,13 @@ impl Pacer {
         let tick = self.config.tick;
         let k = &mut self.kinds[kind];
         match lane {
-            Lane::OnTime if f.began != k.drains => {
-                k.on_time_running = k.on_time_running.saturating_sub(1);
-                k.on_time_more = f.full;
-                k.probe_at = Some(now);
-            }
             Lane::OnTime => {
                 k.on_time_running = k.on_time_running.saturating_sub(1);
                 k.on_time_more = f.full;
-                if f.full {
+                if f.began != k.drains {
+                    // Begun before the scan forgot where it stood: see `epoch`.
+                    k.probe_at = Some(now);
+                } else if f.full {
                     // Rows past its last one were not locked, whatever its start counted
                     // as held (see `look_past_window`).
                     k.covered = f.last_due;
