@@ -23,6 +23,8 @@ pub(crate) struct Burst {
     /// Sum of batch durations / (last − T0): the share of the wall time spent in batches
     /// (above 1 when batches overlap, `scan.concurrency` > 1).
     pub(crate) busy_fraction: f64,
+    /// CPU of every process from T0 to the last receipt.
+    pub(crate) cpu: CpuSpent,
     pub(crate) complete: bool,
 }
 
@@ -55,6 +57,9 @@ pub(crate) async fn burst(
     if start > t0 {
         eprintln!("   burst: insert committed after T0; the clock starts at the commit");
     }
+    // Metered from T0: before it, nothing but the daemon's look ahead runs.
+    tokio::time::sleep((t0 - Utc::now()).to_std().unwrap_or_default()).await;
+    let meter = CpuMeter::start();
     let complete = env.inbox.wait_for(n, lead + receive_limit(n)).await;
     daemon.check_alive()?;
     let got = env.inbox.take();
@@ -63,6 +68,7 @@ pub(crate) async fn burst(
     let first = got.iter().map(|(_, at)| *at).min().unwrap_or(start);
     let last = got.iter().map(|(_, at)| *at).max().unwrap_or(start);
     let last_ms = ms(last - start);
+    let cpu = meter.spent(last_ms / 1e3);
     let after = daemon
         .scrape_after(&before, delivery.distinct as u64, SETTLE_LIMIT)
         .await?;
@@ -78,6 +84,7 @@ pub(crate) async fn burst(
         left_in_table: env.count_rows().await?,
         daemon: scan,
         busy_fraction: scan.busy_ms / last_ms,
+        cpu,
         complete,
     })
 }

@@ -29,6 +29,8 @@ pub(crate) struct CatchUp {
     /// The daemon's peak RSS (VmHWM) after the drain: its largest since it started.
     pub(crate) peak_rss_mib: f64,
     pub(crate) daemon: ScanDelta,
+    /// CPU of every process from the backlog's commit to its last receipt.
+    pub(crate) cpu: CpuSpent,
     pub(crate) complete: bool,
 }
 
@@ -55,6 +57,7 @@ pub(crate) async fn catch_up(
     .await?;
     tx.commit().await?;
     let committed = Utc::now();
+    let meter = CpuMeter::start();
     let insert_secs = started.elapsed().as_secs_f64();
     let expected_secs = n as f64 / pace.max(1.0);
     let fresh_total = ((expected_secs * FRESH_RATE) as usize).max(1);
@@ -79,6 +82,7 @@ pub(crate) async fn catch_up(
         .max()
         .unwrap_or(committed);
     let drain_secs = ms(last - committed) / 1e3;
+    let cpu = meter.spent(drain_secs);
     let after = daemon
         .scrape_after(&before, got.len() as u64, SETTLE_LIMIT)
         .await?;
@@ -97,6 +101,7 @@ pub(crate) async fn catch_up(
         fresh_early: lateness.iter().filter(|l| **l < 0.0).count(),
         peak_rss_mib: daemon.memory()?.hwm as f64 / MIB,
         daemon: ScanDelta::between(&before, &after),
+        cpu,
         complete,
     })
 }

@@ -10,8 +10,6 @@ use crate::*;
 
 /// Daemons in the idle group.
 const NODES: usize = 3;
-/// /proc reports CPU times in USER_HZ, 100 on every Linux.
-const USER_HZ: f64 = 100.0;
 
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct IdleCost {
@@ -78,15 +76,8 @@ pub(crate) async fn idle_cost(env: &Env, secs: u64) -> Result<IdleCost> {
 fn cpu_ticks(d: &Daemon) -> Result<u64> {
     let path = format!("/proc/{}/stat", d.pid);
     let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    // The command name may hold spaces: the fields start after its closing parenthesis.
-    let rest = stat
-        .rsplit_once(')')
-        .map(|(_, r)| r)
-        .context("malformed stat")?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let field = |i: usize| -> Result<u64> { Ok(fields.get(i).context("short stat")?.parse()?) };
-    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
-    Ok(field(11)? + field(12)?)
+    let (_, ticks) = parse_stat(&stat).context("malformed stat")?;
+    Ok(ticks)
 }
 
 async fn transactions(pool: &PgPool) -> Result<i64> {

@@ -18,6 +18,8 @@ pub(crate) struct Trial {
     pub(crate) msgs: usize,
     pub(crate) msgs_per_sec: f64,
     pub(crate) not_confirmed: usize,
+    /// CPU of every process while it ran (publisher and consumer are this bench).
+    pub(crate) cpu: CpuSpent,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -81,6 +83,7 @@ async fn trial(
         shares.push((channel, share.to_vec()));
     }
     env.inbox.take();
+    let meter = CpuMeter::start();
     let started = Instant::now();
     let mut tasks = Vec::new();
     for (channel, share) in shares {
@@ -100,6 +103,7 @@ async fn trial(
         env.inbox.wait_for(n, receive_limit(n)).await;
     }
     let secs = started.elapsed().as_secs_f64();
+    let cpu = meter.spent(secs);
     env.inbox.take();
     if !consumed {
         let ch = conn.create_channel().await?;
@@ -118,5 +122,6 @@ async fn trial(
         msgs: n,
         msgs_per_sec: n as f64 / secs,
         not_confirmed,
+        cpu,
     })
 }

@@ -195,6 +195,12 @@ impl Report {
                 None,
             ),
             line(
+                "burst: CPU per TimeOut, every process (/proc)",
+                b.cpu.per_message_text(b.rows, "bench (consumer)"),
+                "",
+                None,
+            ),
+            line(
                 "burst / baseline publish",
                 format!("{:.0}%", ratio * 100.0),
                 "≥ 80%",
@@ -647,6 +653,13 @@ pub(crate) fn catch_up_lines(c: &CatchUp, publish: f64) -> Vec<Line> {
             None,
         ),
         line(
+            "catch-up: CPU per TimeOut, every process (/proc)",
+            c.cpu
+                .per_message_text(c.rows + c.fresh_rows, "bench (consumer, fresh rows)"),
+            "",
+            None,
+        ),
+        line(
             "catch-up / best publish limit",
             format!("{:.0}%", ratio * 100.0),
             "≥ 90%",
@@ -727,6 +740,14 @@ pub(crate) fn limit_lines(l: &PublishLimit, burst: f64) -> Vec<Line> {
                 trials.sort_by(|a, b| b.msgs_per_sec.total_cmp(&a.msgs_per_sec));
                 trials.iter().map(t).collect::<Vec<_>>().join("; ")
             },
+            "",
+            None,
+        ),
+        line(
+            "publish limit, best setting: CPU per message, every process (/proc)",
+            l.best
+                .cpu
+                .per_message_text(l.best.msgs, "bench (publisher, consumer)"),
             "",
             None,
         ),

@@ -62,6 +62,30 @@ fn measurements(r: &Report) -> Vec<(String, &'static str, f64, Option<Want>)> {
             100.0 * r.burst.rows_per_sec / limit,
             Some(Want::AtLeast(90.0)),
         ),
+        (
+            "publish limit: CPU per message, every process".into(),
+            "µs",
+            r.limit.best.cpu.per_message_us(r.limit.best.msgs),
+            None,
+        ),
+        (
+            "burst: CPU per TimeOut, every process".into(),
+            "µs",
+            r.burst.cpu.per_message_us(r.burst.rows),
+            None,
+        ),
+        (
+            "burst: CPU per TimeOut, daemon + Postgres".into(),
+            "µs",
+            (r.burst.cpu.daemon_ms + r.burst.cpu.postgres_ms) * 1e3 / r.burst.rows.max(1) as f64,
+            None,
+        ),
+        (
+            "burst: busy".into(),
+            "cores",
+            r.burst.cpu.busy_cores(),
+            None,
+        ),
     ];
     for s in &r.steady {
         let name = |what: &str| format!("steady {}/s: {what}", s.rate);
@@ -102,6 +126,12 @@ fn measurements(r: &Report) -> Vec<(String, &'static str, f64, Option<Want>)> {
             "%",
             100.0 * c.rows_per_sec / limit,
             Some(Want::AtLeast(90.0)),
+        ));
+        m.push((
+            name("CPU per TimeOut, every process"),
+            "µs",
+            c.cpu.per_message_us(c.rows + c.fresh_rows),
+            None,
         ));
         m.push((name("fresh rows' lateness p50"), "ms", c.fresh_p50_ms, None));
         m.push((name("fresh rows' lateness p99"), "ms", c.fresh_p99_ms, None));
