@@ -394,7 +394,9 @@ impl Pacer {
             }
             Lane::Backlog | Lane::Sweep => {
                 k.backlog_running = k.backlog_running.saturating_sub(1);
-                if f.untouched == 0 {
+                // Begun before the scan last stood back: rows behind where it looked
+                // from may be pending (see `epoch`).
+                if f.untouched == 0 && f.began == k.drains {
                     // Every row due before its last one is sent or held by an earlier
                     // batch in flight (which starts over if it leaves rows behind). A
                     // full sweep found rows behind where the scan stood: go on from them.
@@ -438,7 +440,8 @@ impl Pacer {
     }
 
     /// A new or moved row of `kind` (every kind when `None`) is due at `due` (`None`:
-    /// unknown, e.g. notifications were lost: look now). Its batch starts `lead` before.
+    /// unknown, e.g. notifications were lost: look now, from the start). Its batch
+    /// starts `lead` before; a row overdue by more than `fresh` is the backlog's.
     pub(crate) fn notified(
         &mut self,
         kind: Option<usize>,
@@ -447,19 +450,38 @@ impl Pacer {
     ) {
         let lead = self.config.lead;
         let clock = self.clock;
+        let fresh = chrono::Duration::from_std(self.config.fresh).unwrap_or(chrono::Duration::MAX);
         for (i, k) in self.kinds.iter_mut().enumerate() {
             if kind.is_some_and(|kind| kind != i) {
                 continue;
             }
             let at = match (due, clock) {
+                // Written already overdue: out of the on-time lane's reach, and maybe
+                // behind where the scan stands, where only a sweep would find it.
+                (Some(due), Some(clock))
+                    if clock
+                        .db_at(now)
+                        .checked_sub_signed(fresh)
+                        .is_some_and(|f| due < f) =>
+                {
+                    k.behind(due - PROBE_ROUNDING);
+                    continue;
+                }
                 // Inside a window a batch already holds: it skipped this row.
                 (Some(due), _) if k.covered.is_some_and(|c| due <= c) => now,
                 (Some(due), Some(clock)) => {
                     clock.local(due).checked_sub(lead).unwrap_or(now).max(now)
                 }
-                // Unknown (lost notifications), or no clock read yet: an on-time batch
-                // takes what is fresh, and its end asks for a probe.
-                _ => now,
+                // No clock read yet: an on-time batch takes what is fresh, and its end
+                // asks for a probe (the first probe looks from the start anyway).
+                (Some(_), None) => now,
+                // Unknown (notifications lost, or a LISTEN after a gap): rows written
+                // meanwhile may be due anywhere, behind where the scan stands too.
+                (None, _) => {
+                    k.restart_drain();
+                    k.probe_at = Some(now);
+                    now
+                }
             };
             k.on_time_at = Some(k.on_time_at.map_or(at, |t| t.min(at)));
         }
@@ -520,6 +542,17 @@ impl KindState {
         self.from = None;
         self.sweep_at = None;
         self.sweep = false;
+    }
+
+    /// A row due at `due` waits in the backlog. If the scan stood past it, it stands
+    /// before it now, and what batches and probes under way learnt by looking from
+    /// further on is void (as after [`KindState::restart_drain`]).
+    fn behind(&mut self, due: DateTime<Utc>) {
+        self.backlog = true;
+        if self.from.is_some_and(|from| due < from) {
+            self.drains += 1;
+            self.from = Some(due);
+        }
     }
 
     /// Every row due before `to` is sent or held: the scan stands there, or further.

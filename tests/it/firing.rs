@@ -3,6 +3,7 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use lapin::types::AMQPValue;
+use rand::seq::SliceRandom;
 use sqlx::AssertSqlSafe;
 use timeoutd::client::Expectation;
 use timeoutd::election::Role;
@@ -219,6 +220,63 @@ async fn rows_written_while_the_listen_connection_is_down_do_not_wait_for_a_prob
     })
     .await;
     println!("{written} rows written around 3 lost LISTEN sessions fired within {took:?}");
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// A process manager may write a deadline that has already passed — by an hour, or by a
+/// little more than `scan.fresh`, out of the on-time lane's reach — while the active node
+/// scans from where it stands (past such a row). Its notification sends the node back to
+/// it: each fires within seconds, not at the next sweep 30 s on, and the probes (a
+/// minute apart here) have no part in it. Rounds mix such rows, in random order, with
+/// rows coming due at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_written_already_overdue_fires_at_once_not_at_the_next_sweep() {
+    let mut world = World::new().await;
+    world.overrides.push((
+        "TIMEOUTD__SCAN__PROBE_INTERVAL".to_owned(),
+        "60s".to_owned(),
+    ));
+    world.migrate().await;
+    let inbox = Inbox::new().await;
+    let node = world.start().await;
+    wait_for(Duration::from_secs(10), "node active", || {
+        *node.role.borrow() == Role::Active
+    })
+    .await;
+    // Fresh rows first, so that the scan stands at now when the overdue ones come.
+    let mut written = 0;
+    let mut slowest = Duration::ZERO;
+    for round in 0..4 {
+        let mut overdue_ms: Vec<i64> = (0..6)
+            .map(|_| 1_500 + rand::random_range(0..3_600_000))
+            .chain([1_200, 0, -50])
+            .collect();
+        overdue_ms.shuffle(&mut rand::rng());
+        let started = Instant::now();
+        for (i, ms) in overdue_ms.iter().enumerate() {
+            let due = Utc::now() - chrono::Duration::milliseconds(*ms);
+            let e =
+                Expectation::new(&format!("late-{round}-{i}"), "Reply", &inbox.queue).due_at(due);
+            world.expect(&e).await;
+            written += 1;
+        }
+        // Well inside the 30 s between sweeps: four rounds cannot all be lucky.
+        wait_for(Duration::from_secs(5), "the round's rows", || {
+            inbox.len() >= written
+        })
+        .await;
+        slowest = slowest.max(started.elapsed());
+        tokio::time::sleep(Duration::from_millis(rand::random_range(0..1_500))).await;
+    }
+    let counts = inbox.counts();
+    assert_eq!(counts.len(), written, "distinct");
+    assert!(counts.values().all(|n| *n == 1), "each exactly once");
+    wait_for_async(Duration::from_secs(10), "every row deleted", || async {
+        world.count("true").await == 0
+    })
+    .await;
+    println!("{written} rows written overdue or due now: the slowest round took {slowest:?}");
     node.stop().await;
     world.cleanup().await;
 }

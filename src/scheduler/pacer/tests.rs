@@ -676,6 +676,88 @@ fn a_sweep_looks_from_the_start_every_backlog_rescan() {
 }
 
 #[test]
+fn a_row_written_overdue_behind_the_scan_is_the_backlogs_at_once_not_the_next_sweeps() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(3, 1), 1, now);
+    p.listening(true, now);
+    probes(&mut p, now);
+    p.probed(0, now, probe(None, None));
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(at));
+    let began = p.epoch(0);
+    // A process manager writes a deadline a second and a bit old, then one an hour old.
+    for overdue_ms in [1_001, 3_600_000] {
+        p.notified(Some(0), Some(db(at, -overdue_ms)), now);
+        let from = db(at, -overdue_ms) - PROBE_ROUNDING;
+        assert_eq!(p.window(0, Lane::Backlog).from, Some(from));
+    }
+    assert_eq!(
+        p.starts(now),
+        vec![(0, Lane::Backlog), (0, Lane::Backlog)],
+        "the backlog's share of the slots, and no on-time batch for it"
+    );
+    // A probe or batch begun before looked from further on: it moves the scan nowhere.
+    assert_ne!(p.epoch(0), began);
+    p.finished(
+        0,
+        Lane::Backlog,
+        now,
+        Finished {
+            began,
+            ..backlog_done(500, true, 0, db(at, -10))
+        },
+    );
+    assert_eq!(
+        p.window(0, Lane::Backlog).from,
+        Some(db(at, -3_600_000) - PROBE_ROUNDING)
+    );
+    // A fresh row (overdue by less than `fresh`) stays the on-time lane's.
+    let mut p = Pacer::new(config(3, 1), 1, now);
+    p.probed(0, now, probe(None, None));
+    p.notified(Some(0), Some(db(at, -999)), now);
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(at));
+    assert_eq!(p.starts(now), vec![(0, Lane::OnTime)]);
+}
+
+#[test]
+fn a_backlog_batch_begun_before_the_scan_forgot_where_it_stood_moves_it_nowhere() {
+    let (now, at) = t0();
+    let mut p = draining(now);
+    // The first leaves rows unsent; the second, begun before, ends after it.
+    p.finished(
+        0,
+        Lane::Backlog,
+        now,
+        backlog_done(500, true, 3, db(at, -3000)),
+    );
+    p.finished(
+        0,
+        Lane::Backlog,
+        now,
+        backlog_done(500, true, 0, db(at, -2000)),
+    );
+    assert_eq!(p.window(0, Lane::Backlog).from, None);
+}
+
+#[test]
+fn after_lost_notifications_the_scan_looks_from_the_start() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(3, 1), 2, now);
+    p.listening(true, now);
+    probes(&mut p, now);
+    p.probed(0, now, probe(None, None));
+    p.probed(1, now, probe(None, None));
+    assert_eq!(p.window(0, Lane::Backlog).from, Some(at));
+    p.notified(None, None, now + MS);
+    let looks: Vec<_> = p
+        .probes_due(now + MS)
+        .into_iter()
+        .map(|x| (x.kind, x.from))
+        .collect();
+    assert_eq!(looks, vec![(0, None), (1, None)]);
+    assert_eq!(p.window(1, Lane::Backlog).from, None);
+}
+
+#[test]
 fn a_slow_probe_never_puts_the_bound_past_the_row_it_saw() {
     let (now, at) = t0();
     let mut p = Pacer::new(config(3, 1), 1, now);
