@@ -373,10 +373,10 @@ impl Scanner {
         }
     }
 
-    /// Send the rows slot by slot, each at its due time (rows already due at once), and
-    /// sort them by fate. Slots are published side by side: a slot's confirms are
-    /// awaited while the next slot waits for its time. Rows of slots not sent (stop,
-    /// lease lost, budget spent) are left untouched.
+    /// Send the rows at their due times — on each wake-up every row due by then (rows
+    /// already due at once) — and sort them by fate. What one wake-up sends is published
+    /// while the next waits for its time. Rows not sent (stop, lease lost, budget spent)
+    /// are left untouched.
     async fn publish_on_time<K: Kind>(
         &self,
         bus: &Bus,
@@ -389,29 +389,34 @@ impl Scanner {
         let due: Vec<Instant> = rows.iter().map(|r| clock.local(r.due_at())).collect();
         let mut judged = Judged::default();
         let mut in_flight = FuturesUnordered::new();
-        let mut slots = slots::plan(&due, slots::SLOT).into_iter();
-        while let Some(slot) = slots.next() {
+        let mut first = 0;
+        while let Some(&at) = due.get(first) {
             let woke = self
-                .until::<K>(slot.at, &mut in_flight, rows, outcome, &mut judged, budget)
+                .until::<K>(at, &mut in_flight, rows, outcome, &mut judged, budget)
                 .await;
             if !woke || !budget.may_send() || lease() != Lease::Held {
                 outcome.lease_lost |= woke && lease() != Lease::Held;
-                let left: usize = slots.map(|s| s.rows.len()).sum();
-                judged.untouched += slot.rows.len() + left;
+                judged.untouched += rows.len() - first;
                 break;
             }
             let now = Instant::now();
-            if slot.at > clock.at {
+            let slot = slots::due_by(&due, first, now);
+            if slot.is_empty() {
+                // Woken before the timer's instant: wait again.
+                continue;
+            }
+            if at > clock.at {
                 outcome
                     .steps
-                    .push((Step::Wake, now.saturating_duration_since(slot.at)));
+                    .push((Step::Wake, now.saturating_duration_since(at)));
             }
+            first = slot.end;
             let sent_at = clock.db_at(now);
-            rows[slot.rows.clone()]
+            rows[slot.clone()]
                 .iter_mut()
                 .for_each(|r| r.set_fired_at(sent_at));
-            let (sending, messages) = self.messages::<K>(&rows[slot.rows.clone()], &mut judged);
-            let offset = slot.rows.start;
+            let (sending, messages) = self.messages::<K>(&rows[slot.clone()], &mut judged);
+            let offset = slot.start;
             in_flight.push(async move {
                 let published = bus.publish_batch(&messages, budget).await;
                 let alone: Vec<bool> = messages.iter().map(|m| m.alone).collect();

@@ -9,13 +9,10 @@
 //! most 500 ppm); the wait is stretched by that much, so it holds for any horizon.
 
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 
-/// Rows due within this much of each other go out together, at the latest one's time:
-/// tokio's timers fire on millisecond ticks anyway.
-pub const SLOT: Duration = Duration::from_millis(1);
 /// The largest rate difference between two clocks that NTP allows, as a fraction.
 const DRIFT: u32 = 2_000;
 
@@ -45,38 +42,24 @@ impl DbClock {
     }
 }
 
-/// Rows sent together: a range of the batch's rows (in due order) and when.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Slot {
-    pub rows: Range<usize>,
-    /// The latest local due instant of its rows: none of them is early then.
-    pub at: Instant,
-}
-
-/// Group rows, given their local due instants in ascending order, into slots of at most
-/// `width`: each slot opens at its first row and goes out at its last row's instant.
-pub fn plan(due: &[Instant], width: Duration) -> Vec<Slot> {
-    let mut slots: Vec<Slot> = Vec::new();
-    let mut opened = None;
-    for (i, &at) in due.iter().enumerate() {
-        match (slots.last_mut(), opened) {
-            (Some(slot), Some(first)) if at.saturating_duration_since(first) < width => {
-                slot.rows.end = i + 1;
-                slot.at = slot.at.max(at);
-            }
-            _ => {
-                slots.push(Slot { rows: i..i + 1, at });
-                opened = Some(at);
-            }
-        }
-    }
-    slots
+/// The rows to send together once woken at `now` for the row at `first`: it and every
+/// row after it whose local due instant has come (instants in ascending order). The
+/// timer wakes us on a millisecond tick, so rows due within it go out on that wake-up;
+/// holding the earlier ones until the last of a fixed slot would make them later by up
+/// to the slot's width.
+pub fn due_by(due: &[Instant], first: usize, now: Instant) -> Range<usize> {
+    let end = first
+        + due
+            .get(first..)
+            .map_or(0, |rest| rest.partition_point(|at| *at <= now));
+    first..end.max((first + 1).min(due.len()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::time::Duration;
 
     fn clock() -> DbClock {
         DbClock {
@@ -94,30 +77,29 @@ mod tests {
     }
 
     #[test]
-    fn rows_close_together_share_a_slot_sent_at_the_last_of_them() {
+    fn a_wake_up_takes_every_row_due_by_then_and_at_least_its_own() {
         let t0 = Instant::now();
         let ms = |n: u64| t0 + Duration::from_micros(n * 100);
         let due = [t0, t0, ms(5), ms(9), ms(10), ms(25), ms(100)];
-        let slots = plan(&due, SLOT);
-        let got: Vec<(Range<usize>, Instant)> = slots.into_iter().map(|s| (s.rows, s.at)).collect();
+        assert_eq!(due_by(&due, 0, ms(9)), 0..4);
         assert_eq!(
-            got,
-            vec![
-                (0..4, ms(9)),
-                (4..5, ms(10)),
-                (5..6, ms(25)),
-                (6..7, ms(100))
-            ]
+            due_by(&due, 4, ms(24)),
+            4..5,
+            "its own row, even woken early"
         );
-        assert!(plan(&[], SLOT).is_empty());
+        assert_eq!(due_by(&due, 5, ms(1000)), 5..7);
+        assert_eq!(due_by(&due, 7, ms(1000)), 7..7);
+        assert_eq!(due_by(&[], 0, t0), 0..0);
     }
 
     proptest! {
-        /// Never early: a row sent at its slot's instant is stamped no earlier than its
-        /// due time, for any clock reading and due times up to an hour ahead or behind.
+        /// Never early: woken at or after a row's local instant, every row sent then is
+        /// stamped no earlier than its due time, for any clock reading, due times up to an
+        /// hour ahead or behind, and wake-ups up to 3 ms late; each row is sent once.
         #[test]
         fn no_row_is_sent_or_stamped_before_it_is_due(
             offsets in proptest::collection::vec(-3_600_000_000i64..3_600_000_000, 1..200),
+            late_us in proptest::collection::vec(0u64..3_000, 200),
         ) {
             let c = clock();
             let mut due: Vec<DateTime<Utc>> = offsets
@@ -126,20 +108,24 @@ mod tests {
                 .collect();
             due.sort();
             let local: Vec<Instant> = due.iter().map(|t| c.local(*t)).collect();
-            let slots = plan(&local, SLOT);
-            let covered: usize = slots.iter().map(|s| s.rows.len()).sum();
-            prop_assert_eq!(covered, due.len());
-            for slot in &slots {
-                prop_assert!(slot.at >= c.at);
-                for i in slot.rows.clone() {
-                    prop_assert!(slot.at >= local[i]);
-                    prop_assert!(c.db_at(slot.at) >= due[i].min(c.db));
+            let mut first = 0;
+            let mut wakes = late_us.iter();
+            while first < local.len() {
+                let now = local[first] + Duration::from_micros(*wakes.next().unwrap_or(&0));
+                let sent = due_by(&local, first, now);
+                prop_assert_eq!(sent.start, first);
+                prop_assert!(sent.end > first);
+                prop_assert!(now >= c.at);
+                for i in sent.clone() {
+                    prop_assert!(now >= local[i]);
+                    prop_assert!(c.db_at(now) >= due[i].min(c.db));
                     if due[i] > c.db {
-                        prop_assert!(c.db_at(slot.at) >= due[i]);
+                        prop_assert!(c.db_at(now) >= due[i]);
                     }
-                    // Never more than a slot late by the local clock.
-                    prop_assert!(slot.at.saturating_duration_since(local[i]) < SLOT);
                 }
+                // Nothing due by then waits for a later wake-up.
+                prop_assert!(local.get(sent.end).is_none_or(|at| *at > now));
+                first = sent.end;
             }
         }
     }
