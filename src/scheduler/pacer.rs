@@ -394,9 +394,10 @@ impl Pacer {
             }
             Lane::Backlog | Lane::Sweep => {
                 k.backlog_running = k.backlog_running.saturating_sub(1);
-                // Begun before the scan last stood back: rows behind where it looked
-                // from may be pending (see `epoch`).
-                if f.untouched == 0 && f.began == k.drains {
+                // Begun before the scan last stood back or forgot: rows it could not see
+                // may be pending, so it ends neither the drain's bound nor the backlog.
+                let current = f.began == k.drains;
+                if f.untouched == 0 && current {
                     // Every row due before its last one is sent or held by an earlier
                     // batch in flight (which starts over if it leaves rows behind). A
                     // full sweep found rows behind where the scan stood: go on from them.
@@ -406,7 +407,7 @@ impl Pacer {
                     }
                     k.advance(f.last_due, now);
                 }
-                if !f.full {
+                if !f.full && current {
                     k.backlog = false;
                     // Rows held by someone else (a second active node) are not ours to
                     // spin on: look again in a tick.
@@ -545,14 +546,14 @@ impl KindState {
     }
 
     /// A row due at `due` waits in the backlog. If the scan stood past it, it stands
-    /// before it now, and what batches and probes under way learnt by looking from
-    /// further on is void (as after [`KindState::restart_drain`]).
+    /// before it now. Either way what batches and probes under way learnt is void (as
+    /// after [`KindState::restart_drain`]): they may have looked from further on, or
+    /// before the row was written — a backlog batch that comes back short must not end
+    /// the backlog this row is in.
     fn behind(&mut self, due: DateTime<Utc>) {
         self.backlog = true;
-        if self.from.is_some_and(|from| due < from) {
-            self.drains += 1;
-            self.from = Some(due);
-        }
+        self.drains += 1;
+        self.from = self.from.map(|from| from.min(due));
     }
 
     /// Every row due before `to` is sent or held: the scan stands there, or further.

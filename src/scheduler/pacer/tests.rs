@@ -719,6 +719,39 @@ fn a_row_written_overdue_behind_the_scan_is_the_backlogs_at_once_not_the_next_sw
 }
 
 #[test]
+fn a_backlog_batch_begun_before_a_row_was_written_overdue_does_not_end_the_backlog() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(3, 1), 1, now);
+    p.probed(0, now, probe(None, None));
+    p.notified(Some(0), Some(db(at, -3_600_000)), now);
+    assert_eq!(p.starts(now), vec![(0, Lane::Backlog), (0, Lane::Backlog)]);
+    let began = p.epoch(0);
+    // Written while those batches run, due after where they look from: they may not
+    // see it, and come back short.
+    p.notified(Some(0), Some(db(at, -1_800_000)), now);
+    for _ in 0..2 {
+        let short = Finished {
+            began,
+            ..backlog_done(1, false, 0, db(at, -3_600_000))
+        };
+        p.finished(0, Lane::Backlog, now, short);
+    }
+    assert_eq!(
+        p.starts(now),
+        vec![(0, Lane::Backlog), (0, Lane::Backlog)],
+        "the backlog goes on"
+    );
+    // A batch begun after it ends it.
+    let current = Finished {
+        began: p.epoch(0),
+        ..backlog_done(1, false, 0, db(at, -1_800_000))
+    };
+    p.finished(0, Lane::Backlog, now, current);
+    p.finished(0, Lane::Backlog, now, current);
+    assert!(p.starts(now).is_empty());
+}
+
+#[test]
 fn a_backlog_batch_begun_before_the_scan_forgot_where_it_stood_moves_it_nowhere() {
     let (now, at) = t0();
     let mut p = draining(now);
