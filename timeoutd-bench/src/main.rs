@@ -12,7 +12,10 @@
 //!    consumer has received them all;
 //! 2. baseline delete: the same number of due rows deleted with sqlx, 500 per
 //!    `DELETE … RETURNING *` (no broker);
-//! 3. the daemon (`timeoutd run`, a child process) starts; idle RSS is read;
+//! 3. hand-rolled firing: the burst's rows fired by the firing transaction written by hand
+//!    (lock, publish with confirms, delete, commit; the daemon's batch size and
+//!    concurrency), no daemon running;
+//! 4. the daemon (`timeoutd run`, a child process) starts; idle RSS is read;
 //! 4. burst: N rows, all due at the same instant T0 (committed before T0), fired by the
 //!    daemon; the clock runs from T0 to the consumer's receipt of the last TimeOut;
 //! 5. steady: rows due at R/s for S s, each inserted ~1.5 s before its deadline;
@@ -42,6 +45,7 @@ mod child;
 mod cpu;
 mod delayed;
 mod env;
+mod hand_rolled;
 mod idle;
 mod idle_cost;
 mod insert;
@@ -60,6 +64,7 @@ pub(crate) use child::*;
 pub(crate) use cpu::*;
 pub(crate) use delayed::*;
 pub(crate) use env::*;
+pub(crate) use hand_rolled::*;
 pub(crate) use idle::*;
 pub(crate) use idle_cost::*;
 pub(crate) use insert::*;
@@ -308,6 +313,13 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
     let publish = phase("baseline publish", baseline_publish(env, plan.burst)).await?;
     let limit = phase("publish limit", publish_limit(env, plan.burst)).await?;
     let delete = phase("baseline delete", baseline_delete(env, plan.burst)).await?;
+    let scan = &env.settings.scan;
+    let (workers, batch) = (scan.concurrency as usize, scan.batch_size as usize);
+    let hand = phase(
+        "hand-rolled firing",
+        hand_rolled(env, plan.burst, workers, batch),
+    )
+    .await?;
     let mut daemon = phase("daemon start", Daemon::start(env)).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let idle_before = daemon.memory()?;
@@ -356,6 +368,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         publish,
         limit,
         delete,
+        hand,
         burst,
         steady_runs,
         catch_up,

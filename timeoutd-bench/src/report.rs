@@ -58,6 +58,7 @@ pub(crate) struct Report {
     pub(crate) publish: PublishBaseline,
     pub(crate) limit: PublishLimit,
     pub(crate) delete: DeleteBaseline,
+    pub(crate) hand: HandRolled,
     pub(crate) burst: Burst,
     /// One per `--rate`.
     pub(crate) steady: Vec<Steady>,
@@ -81,6 +82,7 @@ impl Report {
         publish: PublishBaseline,
         limit: PublishLimit,
         delete: DeleteBaseline,
+        hand: HandRolled,
         burst: Burst,
         steady: Vec<Steady>,
         catch_up: Option<CatchUp>,
@@ -111,6 +113,7 @@ impl Report {
             publish,
             limit,
             delete,
+            hand,
             burst,
             steady,
             catch_up,
@@ -127,6 +130,11 @@ impl Report {
     pub(crate) fn table_lines(&self) -> Vec<Line> {
         let mut lines = self.throughput_lines();
         lines.extend(limit_lines(&self.limit, self.burst.rows_per_sec));
+        lines.extend(hand_rolled_lines(
+            &self.hand,
+            self.limit.best.msgs_per_sec,
+            self.burst.rows_per_sec,
+        ));
         for s in &self.steady {
             lines.extend(steady_lines(s));
         }
@@ -762,6 +770,42 @@ pub(crate) fn limit_lines(l: &PublishLimit, burst: f64) -> Vec<Line> {
             format!("{:.0}%", ratio * 100.0),
             "≥ 90%",
             Some(ratio >= 0.9),
+        ),
+    ]
+}
+
+/// The firing transaction rolled by hand, against the limit, and the daemon's burst
+/// against it.
+pub(crate) fn hand_rolled_lines(h: &HandRolled, limit: f64, burst: f64) -> Vec<Line> {
+    vec![
+        line(
+            "hand-rolled firing (lock, publish, delete, commit)",
+            format!(
+                "{} rows in {:.2} s = {:.0}/s = {:.0}% of the publish limit; {} workers × \
+                 batch {}, {} transactions; {}",
+                h.rows,
+                h.secs,
+                h.rows_per_sec,
+                100.0 * h.rows_per_sec / limit,
+                h.workers,
+                h.batch,
+                h.transactions,
+                delivery_text(&h.delivery, h.left_in_table)
+            ),
+            "",
+            Some(h.delivery.exact(h.rows) && h.left_in_table == 0),
+        ),
+        line(
+            "hand-rolled firing: CPU per TimeOut, every process (/proc)",
+            h.cpu.per_message_text(h.rows, "bench (loop, consumer)"),
+            "",
+            None,
+        ),
+        line(
+            "burst / hand-rolled firing",
+            format!("{:.0}%", 100.0 * burst / h.rows_per_sec),
+            "",
+            None,
         ),
     ]
 }

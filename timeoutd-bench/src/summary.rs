@@ -63,6 +63,24 @@ fn measurements(r: &Report) -> Vec<(String, &'static str, f64, Option<Want>)> {
             Some(Want::AtLeast(90.0)),
         ),
         (
+            "hand-rolled firing".into(),
+            "rows/s",
+            r.hand.rows_per_sec,
+            None,
+        ),
+        (
+            "hand-rolled firing / best publish limit".into(),
+            "%",
+            100.0 * r.hand.rows_per_sec / limit,
+            None,
+        ),
+        (
+            "burst / hand-rolled firing".into(),
+            "%",
+            100.0 * r.burst.rows_per_sec / r.hand.rows_per_sec,
+            None,
+        ),
+        (
             "publish limit: CPU per message, every process".into(),
             "µs",
             r.limit.best.cpu.per_message_us(r.limit.best.msgs),
@@ -78,6 +96,18 @@ fn measurements(r: &Report) -> Vec<(String, &'static str, f64, Option<Want>)> {
             "burst: CPU per TimeOut, daemon + Postgres".into(),
             "µs",
             (r.burst.cpu.daemon_ms + r.burst.cpu.postgres_ms) * 1e3 / r.burst.rows.max(1) as f64,
+            None,
+        ),
+        (
+            "hand-rolled firing: CPU per TimeOut, every process".into(),
+            "µs",
+            r.hand.cpu.per_message_us(r.hand.rows),
+            None,
+        ),
+        (
+            "hand-rolled firing: CPU per TimeOut, Postgres".into(),
+            "µs",
+            r.hand.cpu.postgres_ms * 1e3 / r.hand.rows.max(1) as f64,
             None,
         ),
         (
