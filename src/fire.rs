@@ -200,7 +200,7 @@ impl Scanner {
         let started = Instant::now();
         let skip = self.skipped();
         let locked = self.db(self.db_bound, async {
-            let mut tx = store.begin_scan().await?;
+            let (mut tx, deletes) = store.begin_scan(K::TABLE).await?;
             let mut rows = K::lock_due(
                 store,
                 &mut tx,
@@ -214,9 +214,9 @@ impl Scanner {
             let deferred = self
                 .fetch_large_payloads::<K>(store, &mut tx, &mut rows)
                 .await?;
-            Ok((tx, rows, deferred, read_at))
+            Ok((tx, deletes, rows, deferred, read_at))
         });
-        let (mut tx, mut rows, deferred, read_at) = locked.await?;
+        let (mut tx, deletes, mut rows, deferred, read_at) = locked.await?;
         let mut outcome = BatchOutcome {
             kind: K::NAME,
             locked: rows.len() + deferred,
@@ -243,7 +243,7 @@ impl Scanner {
         let settling = Instant::now();
         let settle = self.db(self.db_bound * 2, async {
             let settled = store
-                .settle(&mut tx, K::TABLE, &judged.fired, &judged.failures)
+                .settle(&mut tx, K::TABLE, deletes, &judged.fired, &judged.failures)
                 .await?;
             tx.commit().await?;
             Ok(settled)

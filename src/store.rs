@@ -27,7 +27,7 @@ pub use delayed::{
 };
 pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
 use settle::Writes;
-pub use settle::{Failure, Fired, Settlement};
+pub use settle::{Deletes, Failure, Fired, Settlement};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -267,9 +267,24 @@ impl Store {
         Ok(self.pool.begin_with(BEGIN).await?)
     }
 
-    /// The firing transaction (see [`SCAN_BEGIN`]).
-    pub async fn begin_scan(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
-        Ok(self.pool.begin_with(SCAN_BEGIN).await?)
+    /// The firing transaction on `table` (see [`SCAN_BEGIN`]), holding the lock its
+    /// deletes take, and how it may delete (see [`Deletes`]).
+    pub async fn begin_scan(
+        &self,
+        table: Table,
+    ) -> Result<(Transaction<'static, Postgres>, Deletes), StoreError> {
+        let w = self.writes(table)?;
+        let mut tx = self.pool.begin_with(SCAN_BEGIN).await?;
+        let refusable: bool = sqlx::raw_sql(safe(&w.guard))
+            .fetch_one(&mut *tx)
+            .await?
+            .try_get(0)?;
+        let deletes = if refusable {
+            Deletes::Guarded
+        } else {
+            Deletes::Direct
+        };
+        Ok((tx, deletes))
     }
 
     /// When the next rows of `table` are due: the earliest at or after `from` (where a

@@ -54,14 +54,37 @@ struct Refusal {
 
 /// Longest `last_error` stored; the rest of a long error message adds nothing.
 const MAX_ERROR_CHARS: usize = 1000;
+/// The bit of `pg_trigger.tgtype` that says a trigger fires on DELETE.
+const ON_DELETE: i32 = 1 << 3;
 /// `attempts + 1` that cannot overflow (rows written by other tools may hold anything).
 const NEXT_ATTEMPT: &str = "CASE WHEN m.attempts < 2147483647 THEN m.attempts + 1 \
                             ELSE m.attempts END";
+
+/// How the firing transaction deletes the rows it fired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deletes {
+    /// Nothing can refuse the delete of a row the transaction holds (see
+    /// [`Writes::guard`]): the transaction deletes them itself, in one statement.
+    Direct,
+    /// A foreign key, trigger, rule, policy or privilege may refuse some rows: each write
+    /// in a savepoint, undone and halved around the rows refused.
+    Guarded,
+}
 
 /// The writes of the firing transaction on one table, and its next-deadline probe.
 #[derive(Debug, Clone)]
 pub(super) struct Writes {
     pub(super) table: Table,
+    /// Run first in the firing transaction: takes the lock a delete takes, then asks the
+    /// catalog whether anything may refuse a delete ([`Deletes`]). Why a savepoint is
+    /// not simply always used: rows locked by the transaction and deleted in a
+    /// subtransaction carry a MultiXact as their deleter, and Postgres never marks the
+    /// index entry of such a row dead; every later scan of the due index walks every
+    /// such row again until vacuum (measured: a scan over 75,000 fired rows 0.3 ms after
+    /// direct deletes, 3.5 ms every time after deletes in savepoints). Holding the
+    /// table's ROW EXCLUSIVE lock from before the check, no trigger, foreign key or rule
+    /// can appear before the delete (creating one needs a lock that conflicts with it).
+    pub(super) guard: Arc<str>,
     pub(super) probe: Arc<str>,
     pub(super) counts: Arc<str>,
     delete: Arc<str>,
@@ -80,6 +103,20 @@ impl Writes {
         let from = super::from_bound("$3");
         Self {
             table,
+            guard: format!(
+                "LOCK TABLE {t} IN ROW EXCLUSIVE MODE; \
+                 SELECT EXISTS (SELECT FROM pg_catalog.pg_constraint \
+                 WHERE confrelid = c.oid AND contype = 'f') \
+                 OR EXISTS (SELECT FROM pg_catalog.pg_trigger WHERE tgrelid = c.oid \
+                 AND NOT tgisinternal AND tgenabled <> 'D' AND (tgtype::int4 & {ON_DELETE}) <> 0) \
+                 OR EXISTS (SELECT FROM pg_catalog.pg_rewrite WHERE ev_class = c.oid \
+                 AND ev_type = '4') \
+                 OR EXISTS (SELECT FROM pg_catalog.pg_inherits WHERE inhparent = c.oid) \
+                 OR c.relrowsecurity OR c.relkind <> 'r' \
+                 OR c.relreplident = 'n' OR NOT has_table_privilege(c.oid, 'DELETE') \
+                 FROM pg_catalog.pg_class AS c WHERE c.oid = '{t}'::regclass"
+            )
+            .into(),
             // Seconds from now (database clock) to the earliest due row, and to the
             // earliest due after $1 and at most $2 seconds ago: each one probe of the
             // due index.
@@ -128,23 +165,29 @@ impl Store {
     /// batch is never rolled back): a write the database refuses is undone to a
     /// savepoint and retried on halves until the refusing rows stand alone; those are
     /// parked (confirmed) or reported (failed). Only a broken connection is an error.
+    /// With [`Deletes::Direct`] the confirmed rows are deleted by the transaction itself
+    /// (nothing can refuse them; a statement that fails all the same, cancelled or timed
+    /// out, is an error like a broken connection), the failed ones charged as above.
     pub async fn settle(
         &self,
         tx: &mut PgConnection,
         table: Table,
+        deletes: Deletes,
         confirmed: &[Uuid],
         failures: &[Failure],
     ) -> Result<Settlement, StoreError> {
         let w = self.writes(table)?;
+        if deletes == Deletes::Direct {
+            delete(tx, w, confirmed).await?;
+            return charge_in_halves(tx, w, failures).await;
+        }
         let both = attempt(tx, w, Write::Both(confirmed, failures)).await?;
         if both.is_ok() {
             return Ok(Settlement::default());
         }
         let refused = in_halves(tx, w, confirmed, Write::Delete).await?;
         let mut out = park_refused(tx, w, refused).await?;
-        let refused = in_halves(tx, w, failures, Write::Charge).await?;
-        out.uncharged
-            .extend(refused.into_iter().map(|(f, r)| (f.id, r.reason)));
+        out.uncharged = charge_in_halves(tx, w, failures).await?.uncharged;
         Ok(out)
     }
 
@@ -187,6 +230,21 @@ async fn park_refused(
             Err(r) => out.stuck.push((id, r.reason)),
         }
     }
+    Ok(out)
+}
+
+/// Charge the failed rows, each refusal alone.
+async fn charge_in_halves(
+    tx: &mut PgConnection,
+    w: &Writes,
+    failures: &[Failure],
+) -> Result<Settlement, StoreError> {
+    let mut out = Settlement::default();
+    if failures.is_empty() {
+        return Ok(out);
+    }
+    let refused = in_halves(tx, w, failures, Write::Charge).await?;
+    out.uncharged = refused.into_iter().map(|(f, r)| (f.id, r.reason)).collect();
     Ok(out)
 }
 

@@ -10,6 +10,7 @@ mod client;
 mod common;
 mod delayed;
 mod delayed_chaos;
+mod deletes;
 mod election;
 mod failover;
 mod faults;

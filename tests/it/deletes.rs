@@ -1,0 +1,225 @@
+//! How the firing transaction deletes what it fired: by itself when nothing can refuse a
+//! delete, in savepoints (each refusal alone) when something can.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use timeoutd::client::Expectation;
+use timeoutd::election::Role;
+use timeoutd::store::{DELAYED, Deletes, EXPECTATIONS, Store, Table};
+
+use crate::common::{Inbox, World, wait_for, wait_for_async};
+
+async fn deletes(store: &Store, table: Table) -> Deletes {
+    let (tx, deletes) = store.begin_scan(table).await.expect("begin scan");
+    tx.rollback().await.expect("rollback");
+    deletes
+}
+
+/// Whatever the process manager adds that could refuse a delete of a held row makes the
+/// batch delete in savepoints; a table with none of it is deleted from directly, and a
+/// trigger that does not fire on DELETE changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_deletes_in_savepoints_only_where_something_can_refuse() {
+    let world = World::new().await;
+    world.migrate().await;
+    let store = Store::connect(&world.settings().postgres).expect("store");
+    let s = &world.schema;
+    let t = format!("{s}.expected_messages");
+    world
+        .exec(&format!(
+            "CREATE FUNCTION {s}.refuse() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'refused'; END $$"
+        ))
+        .await;
+    // (what the process manager adds, what removes it again, how a batch must delete)
+    let cases = [
+        (
+            format!("CREATE TABLE {s}.pm (exp uuid REFERENCES {t}(id))"),
+            format!("DROP TABLE {s}.pm"),
+            Deletes::Guarded,
+        ),
+        (
+            format!(
+                "CREATE TRIGGER r BEFORE DELETE ON {t} FOR EACH ROW EXECUTE FUNCTION {s}.refuse()"
+            ),
+            format!("DROP TRIGGER r ON {t}"),
+            Deletes::Guarded,
+        ),
+        (
+            format!(
+                "CREATE TRIGGER r AFTER DELETE ON {t} FOR EACH STATEMENT \
+                 EXECUTE FUNCTION {s}.refuse()"
+            ),
+            format!("DROP TRIGGER r ON {t}"),
+            Deletes::Guarded,
+        ),
+        (
+            format!(
+                "CREATE TRIGGER r BEFORE DELETE ON {t} FOR EACH ROW EXECUTE FUNCTION {s}.refuse(); \
+                 ALTER TABLE {t} DISABLE TRIGGER r"
+            ),
+            format!("DROP TRIGGER r ON {t}"),
+            Deletes::Direct,
+        ),
+        (
+            format!(
+                "CREATE TRIGGER r BEFORE INSERT ON {t} FOR EACH ROW EXECUTE FUNCTION {s}.refuse()"
+            ),
+            format!("DROP TRIGGER r ON {t}"),
+            Deletes::Direct,
+        ),
+        (
+            format!("CREATE RULE r AS ON DELETE TO {t} DO ALSO NOTHING"),
+            format!("DROP RULE r ON {t}"),
+            Deletes::Guarded,
+        ),
+        (
+            format!("ALTER TABLE {t} ENABLE ROW LEVEL SECURITY"),
+            format!("ALTER TABLE {t} DISABLE ROW LEVEL SECURITY"),
+            Deletes::Guarded,
+        ),
+        (
+            format!("CREATE TABLE {s}.child () INHERITS ({t})"),
+            format!("DROP TABLE {s}.child"),
+            Deletes::Guarded,
+        ),
+    ];
+    assert_eq!(deletes(&store, EXPECTATIONS).await, Deletes::Direct);
+    assert_eq!(deletes(&store, DELAYED).await, Deletes::Direct);
+    for (add, remove, want) in cases {
+        for step in add.split("; ") {
+            world.exec(step).await;
+        }
+        assert_eq!(deletes(&store, EXPECTATIONS).await, want, "after {add}");
+        world.exec(&remove).await;
+        assert_eq!(
+            deletes(&store, EXPECTATIONS).await,
+            Deletes::Direct,
+            "after {remove}"
+        );
+    }
+    let d = format!("{s}.delayed_messages");
+    world
+        .exec(&format!(
+            "CREATE TRIGGER r BEFORE DELETE ON {d} FOR EACH ROW EXECUTE FUNCTION {s}.refuse()"
+        ))
+        .await;
+    assert_eq!(deletes(&store, DELAYED).await, Deletes::Guarded);
+    assert_eq!(deletes(&store, EXPECTATIONS).await, Deletes::Direct);
+    store.close().await;
+    world.cleanup().await;
+}
+
+/// A trigger of the process manager refuses to let some rows go: their TimeOuts were
+/// confirmed, so they are parked, alone; every other row of the same batches is deleted;
+/// each TimeOut arrives once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_a_trigger_refuses_to_delete_are_parked_alone() {
+    let world = World::new().await;
+    world.migrate().await;
+    let s = &world.schema;
+    world
+        .exec(&format!(
+            "CREATE FUNCTION {s}.keep() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN IF OLD.process_id LIKE 'keep-%' THEN RAISE EXCEPTION 'still needed'; \
+             END IF; RETURN OLD; END $$"
+        ))
+        .await;
+    world
+        .exec(&format!(
+            "CREATE TRIGGER keep BEFORE DELETE ON {s}.expected_messages FOR EACH ROW \
+             EXECUTE FUNCTION {s}.keep()"
+        ))
+        .await;
+    let inbox = Inbox::new().await;
+    let node = world.start().await;
+    wait_for(Duration::from_secs(5), "node active", || {
+        *node.role.borrow() == Role::Active
+    })
+    .await;
+    let due_at = Utc::now() + chrono::Duration::milliseconds(1000);
+    let mut ids = HashSet::new();
+    for i in 0..300 {
+        // Every tenth row, at random places in the batches.
+        let process = if i % 10 == 3 {
+            format!("keep-{i}")
+        } else {
+            format!("go-{i}")
+        };
+        let e = Expectation::new(&process, "Paid", &inbox.queue).due_at(due_at);
+        ids.insert(world.expect(&e).await.to_string());
+    }
+    wait_for(Duration::from_secs(30), "300 TimeOuts", || {
+        inbox.len() >= 300
+    })
+    .await;
+    wait_for_async(Duration::from_secs(10), "settled", || async {
+        world.count("retry_at IS DISTINCT FROM 'infinity'").await == 0
+    })
+    .await;
+    assert_eq!(world.count("process_id LIKE 'keep-%'").await, 30);
+    assert_eq!(world.count("true").await, 30, "every other row deleted");
+    // Parked rows never fire again.
+    let quiet = Instant::now();
+    while quiet.elapsed() < Duration::from_secs(2) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let counts = inbox.counts();
+    assert_eq!(counts.keys().cloned().collect::<HashSet<_>>(), ids);
+    assert!(counts.values().all(|n| *n == 1), "each exactly once");
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// Rows fired from a table nothing guards are deleted by the transaction that locked
+/// them, not by a subtransaction: their deleter is a plain transaction id, never a
+/// MultiXact. (A row deleted under a MultiXact keeps its index entry alive until vacuum,
+/// and every later scan of the due index walks it again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fired_rows_are_deleted_by_the_transaction_that_locked_them() {
+    const XMAX_IS_MULTI: i32 = 0x1000;
+    let world = World::new().await;
+    world.migrate().await;
+    world
+        .exec("CREATE EXTENSION IF NOT EXISTS pageinspect")
+        .await;
+    let inbox = Inbox::new().await;
+    let node = world.start().await;
+    wait_for(Duration::from_secs(5), "node active", || {
+        *node.role.borrow() == Role::Active
+    })
+    .await;
+    // Few enough for one page that is not full: Postgres does not prune it on its own,
+    // so the deleted tuples stay to be read.
+    let due_at = Utc::now() + chrono::Duration::milliseconds(500);
+    for i in 0..20 {
+        let e = Expectation::new(&format!("p-{i}"), "Paid", &inbox.queue).due_at(due_at);
+        world.expect(&e).await;
+    }
+    wait_for(Duration::from_secs(30), "20 TimeOuts", || inbox.len() >= 20).await;
+    wait_for_async(Duration::from_secs(5), "rows deleted", || async {
+        world.count("true").await == 0
+    })
+    .await;
+    let sql = format!(
+        "SELECT t_infomask FROM heap_page_items(get_raw_page('{}.expected_messages', 0)) \
+         WHERE t_xmax <> '0'",
+        world.schema
+    );
+    let masks: Vec<i32> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .fetch_all(&world.pool)
+        .await
+        .expect("page items");
+    assert_eq!(masks.len(), 20, "the deleted tuples are on the page");
+    for mask in masks {
+        assert_eq!(
+            mask & XMAX_IS_MULTI,
+            0,
+            "a row was deleted under a MultiXact (infomask {mask:#x})"
+        );
+    }
+    node.stop().await;
+    world.cleanup().await;
+}
