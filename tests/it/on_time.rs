@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SubsecRound, Utc};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;
@@ -53,7 +53,10 @@ async fn held_rows_go_out_at_their_own_deadlines_and_cancels_wait_for_them() {
     .await;
     let mut rng = StdRng::seed_from_u64(0x0d07);
     // Far enough out that writing the 600 rows one by one ends before the first is due.
-    let start = Utc::now() + chrono::Duration::milliseconds(2_000);
+    // Whole microseconds, as Postgres stores them: a deadline with nanoseconds would be
+    // later than the stored one, and a TimeOut stamped at the stored deadline would look
+    // early by less than a microsecond.
+    let start = (Utc::now() + chrono::Duration::milliseconds(2_000)).trunc_subsecs(6);
     let mut rows: HashMap<Uuid, (DateTime<Utc>, Touch)> = HashMap::new();
     for i in 0..600 {
         let due = start + chrono::Duration::microseconds(rng.random_range(0..2_000_000));
