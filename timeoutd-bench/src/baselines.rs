@@ -159,7 +159,7 @@ pub(crate) async fn baseline_delete(env: &Env, n: usize) -> Result<DeleteBaselin
     tx.commit().await?;
     let insert_rows_per_sec = n as f64 / started.elapsed().as_secs_f64();
     analyze(env).await?;
-    let due = "coalesce(retry_at, timeout_at)";
+    let due = DUE;
     let sql = format!(
         "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE {due} <= now() \
          ORDER BY {due} LIMIT {WINDOW} FOR UPDATE SKIP LOCKED) RETURNING *",
@@ -187,6 +187,11 @@ pub(crate) async fn baseline_delete(env: &Env, n: usize) -> Result<DeleteBaselin
         insert_rows_per_sec,
     })
 }
+
+/// The due expression of the schema's first due index (migration 0001): what the
+/// baseline delete and the hand-rolled loop order by. The bench's rows have no
+/// `retry_at`, so it picks the same rows as the daemon's `greatest(timeout_at, retry_at)`.
+pub(crate) const DUE: &str = "coalesce(retry_at, timeout_at)";
 
 pub(crate) async fn analyze(env: &Env) -> Result<()> {
     env.execute(format!("ANALYZE {}", env.table())).await?;

@@ -16,13 +16,14 @@ pub(crate) struct HandRolled {
     pub(crate) rows: usize,
     pub(crate) workers: usize,
     pub(crate) batch: usize,
-    /// T0 → the consumer's receipt of the last TimeOut.
+    /// The workers' start (every row already due) → the consumer's receipt of the last
+    /// TimeOut.
     pub(crate) secs: f64,
     pub(crate) rows_per_sec: f64,
     pub(crate) transactions: usize,
     pub(crate) delivery: Delivery,
     pub(crate) left_in_table: i64,
-    /// CPU of every process from T0 to the last receipt (the loop runs in this bench).
+    /// CPU of every process over `secs` (the loop runs in this bench).
     pub(crate) cpu: CpuSpent,
 }
 
@@ -94,7 +95,7 @@ async fn fire_loop(
     channel: &lapin::Channel,
     batch: usize,
 ) -> Result<usize> {
-    let due = "coalesce(retry_at, timeout_at)";
+    let due = DUE;
     let lock = format!(
         "SELECT id, process_id, message_type, timeout_at, exchange, routing_key, \
          payload::text AS payload, NULL::int4 AS payload_bytes, attempts, {due} AS due_at, \

@@ -16,18 +16,18 @@
 //!    (lock, publish with confirms, delete, commit; the daemon's batch size and
 //!    concurrency), no daemon running;
 //! 4. the daemon (`timeoutd run`, a child process) starts; idle RSS is read;
-//! 4. burst: N rows, all due at the same instant T0 (committed before T0), fired by the
+//! 5. burst: N rows, all due at the same instant T0 (committed before T0), fired by the
 //!    daemon; the clock runs from T0 to the consumer's receipt of the last TimeOut;
-//! 5. steady: rows due at R/s for S s, each inserted ~1.5 s before its deadline;
+//! 6. steady: rows due at R/s for S s, each inserted ~1.5 s before its deadline;
 //!    lateness = consumer receipt − deadline;
-//! 6. idle RSS again, the daemon stopped (SIGTERM);
-//! 7. delayed messages (unless `--no-delayed`), with daemons of their own: ingest
+//! 7. idle RSS again, the daemon stopped (SIGTERM);
+//! 8. delayed messages (unless `--no-delayed`), with daemons of their own: ingest
 //!    throughput (messages due in an hour published with confirms into the ingress, until
 //!    all are in `delayed_messages`) with 1 and 3 daemons, and the broker alone (a quorum
 //!    queue nobody consumes); steady delivery (`x-delay` 1500 ms, lateness = receipt −
 //!    publish − delay); a burst all due at one instant T0 (`x-timeoutd-deliver-at`,
 //!    stored before T0), T0 → last received, compared with the baseline publish;
-//! 8. idle scan: the daemon's due-row query run directly over tables of 10k/100k/1M rows
+//! 9. idle scan: the daemon's due-row query run directly over tables of 10k/100k/1M rows
 //!    that are not due (one schema each, made by the daemon's migrations), median of 200
 //!    runs per table taken round-robin, plus `EXPLAIN (ANALYZE, BUFFERS)`.
 //!
