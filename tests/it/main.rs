@@ -17,6 +17,7 @@ mod faults;
 mod firing;
 mod http;
 mod on_time;
+mod principals;
 mod proxy;
 mod tls;
 mod unroutable;
