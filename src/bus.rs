@@ -27,7 +27,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer
 use tokio::time::timeout;
 
 use crate::config;
-use crate::wire::announcement::{Announcement, MESSAGE_TYPE, Rejected};
+use crate::wire::announcement::{Envelope, SIGNATURE_HEADER};
 
 /// Heartbeat asked of the broker when the URL does not say: a dead peer is noticed in
 /// about two intervals instead of the broker default of a minute.
@@ -80,6 +80,15 @@ pub struct Bus {
     trusted: Mutex<HashMap<String, Instant>>,
     settings: config::Amqp,
     group: String,
+    /// The broker user of `amqp.url`: our announcements' `user_id`.
+    user: String,
+}
+
+/// The broker user `amqp.url` logs in as (lapin's default `guest` when it names none).
+pub fn broker_user(settings: &config::Amqp) -> Result<String, BusError> {
+    AMQPUri::from_str(settings.url.expose())
+        .map(|uri| uri.authority.userinfo.username)
+        .map_err(|e| BusError::Url(format!("{e}: {}", settings.url.redacted())))
 }
 
 impl Bus {
@@ -91,6 +100,7 @@ impl Bus {
         name: &str,
     ) -> Result<(Self, Announcements), BusError> {
         let limit = settings.connect_timeout;
+        let user = broker_user(settings)?;
         let conn = match timeout(limit, open(settings, name)).await {
             Ok(conn) => conn?,
             Err(_) => {
@@ -109,12 +119,14 @@ impl Bus {
             trusted: Mutex::new(HashMap::new()),
             settings: settings.clone(),
             group: group.to_owned(),
+            user,
         };
-        let announcements = Announcements {
-            consumer,
-            group: group.to_owned(),
-        };
-        Ok((bus, announcements))
+        Ok((bus, Announcements { consumer }))
+    }
+
+    /// The broker user this bus is connected as.
+    pub fn user(&self) -> &str {
+        &self.user
     }
 
     /// Connected and the announcement channel usable.
@@ -122,18 +134,31 @@ impl Bus {
         self.conn.status().connected() && self.announce.status().connected()
     }
 
-    /// Publish an announcement (no confirm: they are ephemeral and repeated).
-    pub async fn announce(&self, a: &Announcement, ttl: Duration) -> Result<(), BusError> {
-        let props = BasicProperties::default()
-            .with_type(MESSAGE_TYPE.into())
+    /// Publish an announcement (no confirm: they are ephemeral and repeated), with its
+    /// proof: `user_id` and signature as sealed (see `admission::seal`).
+    pub async fn announce(&self, sealed: &Envelope, ttl: Duration) -> Result<(), BusError> {
+        let mut props = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_expiration(ttl.as_millis().to_string().into());
-        let body = a.encode();
+        if let Some(kind) = &sealed.kind {
+            props = props.with_type(kind.as_str().into());
+        }
+        if let Some(user) = &sealed.user_id {
+            props = props.with_user_id(user.as_str().into());
+        }
+        if let Some(sig) = &sealed.signature {
+            let mut headers = FieldTable::default();
+            headers.insert(
+                SIGNATURE_HEADER.into(),
+                AMQPValue::LongString(sig.as_str().into()),
+            );
+            props = props.with_headers(headers);
+        }
         let publish = self.announce.basic_publish(
             self.settings.announce_exchange.as_str().into(),
             self.group.as_str().into(),
             BasicPublishOptions::default(),
-            &body,
+            &sealed.body,
             props,
         );
         bounded("announce", self.settings.confirm_timeout, publish).await?;
@@ -290,22 +315,37 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The group's announcements as they arrive, decoded: nothing outside the bus sees
-/// lapin's deliveries.
+/// The group's announcements as they arrive, as plain envelopes (judged by
+/// `admission`): nothing outside the bus sees lapin's deliveries.
 pub struct Announcements {
     consumer: Consumer,
-    group: String,
 }
 
 impl Announcements {
-    /// The next announcement, or why it was dropped (`Err` inside); `None` when the
-    /// consumer ended (cancelled by the broker), `Some(Err)` when the connection failed.
-    pub async fn next(&mut self) -> Option<Result<Result<Announcement, Rejected>, BusError>> {
+    /// The next delivery; `None` when the consumer ended (cancelled by the broker),
+    /// `Some(Err)` when the connection failed.
+    pub async fn next(&mut self) -> Option<Result<Envelope, BusError>> {
         let delivery = match self.consumer.next().await? {
             Ok(d) => d,
             Err(e) => return Some(Err(e.into())),
         };
-        let kind = delivery.properties.kind().as_ref().map(|k| k.as_str());
-        Some(Ok(Announcement::decode(kind, &delivery.data, &self.group)))
+        let p = &delivery.properties;
+        let text = |s: &Option<ShortString>| s.as_ref().map(|s| s.as_str().to_owned());
+        let signature =
+            p.headers()
+                .as_ref()
+                .and_then(|h| match h.inner().get(SIGNATURE_HEADER)? {
+                    AMQPValue::LongString(s) => {
+                        Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                    }
+                    AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+                    _ => None,
+                });
+        Some(Ok(Envelope {
+            kind: text(p.kind()),
+            user_id: text(p.user_id()),
+            signature,
+            body: delivery.data,
+        }))
     }
 }

@@ -10,8 +10,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 use crate::election::{Rule, Timing};
 
 mod secret_url;
-pub use secret_url::SecretUrl;
 use secret_url::redact_url;
+pub use secret_url::{Secret, SecretUrl};
 
 /// The defaults shipped with the binary; the same file documents every key.
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
@@ -141,6 +141,16 @@ pub struct Election {
     pub rule: AnnounceRule,
     /// With rule `lowest`: how many of the lowest candidates announce.
     pub announcers: u32,
+    /// Group secret: when set, an announcement counts only with a valid HMAC under it
+    /// (instead of coming from the daemons' own broker user).
+    pub secret: Secret,
+    /// Also count announcements without proof (nodes of earlier versions), for a
+    /// rolling upgrade only.
+    pub accept_unauthenticated: bool,
+    /// How far a sender's clock may be from ours: announcements sent longer ago than
+    /// `member_ttl` + this (or further ahead than this) do not count.
+    #[serde(with = "humantime_serde")]
+    pub max_clock_skew: Duration,
 }
 
 /// `election.rule`: `lowest` (O(N) deliveries per interval) or `all` (every node
@@ -287,6 +297,12 @@ impl Settings {
             ));
         }
         self.validate_durations()?;
+        if self.election.secret.is_set() && self.election.secret.expose().len() < MIN_SECRET {
+            return Err(ConfigError::invalid(
+                "election.secret",
+                format!("must be at least {MIN_SECRET} bytes (or empty: no group secret)"),
+            ));
+        }
         // Two at least: the active node's successor must hear it every interval to take
         // over within member_ttl + tick, as with every node announcing.
         check_range("election.announcers", self.election.announcers, 2, 100)?;
@@ -552,6 +568,8 @@ fn check_ca_file(key: &str, path: Option<&Path>) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// Shorter group secrets are guessable; 32 random bytes in hex or base64 are plenty.
+const MIN_SECRET: usize = 16;
 /// A year and a day: longer would only keep forgotten cancels.
 const MAX_CANCEL_TTL: Duration = Duration::from_secs(366 * 24 * 3600);
 /// More parallel inserts than this only compete for the database's cores and the pool.

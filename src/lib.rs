@@ -5,6 +5,7 @@
 //! API, configuration, starting a daemon, the pure election, the wire formats, the store's
 //! statements. Everything else is crate-private.
 
+pub mod admission;
 pub mod bus;
 pub mod cli;
 pub use timeoutd_client as client;

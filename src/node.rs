@@ -12,8 +12,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::admission::{Admission, Policy};
 use crate::backoff::Backoff;
-use crate::bus::{Announcements, Bus};
+use crate::bus::{self, Announcements, Bus};
 use crate::config::Settings;
 use crate::election::{Election, LeaseView, Output, Role};
 use crate::health::{Check, Health};
@@ -22,7 +23,7 @@ use crate::shutdown::{Exit, sleep_or_stop};
 use crate::status::{MemberStatus, Probe};
 use crate::telemetry::Chain;
 use crate::telemetry::LogLimiter;
-use crate::wire::announcement::{Announcement, Rejected};
+use crate::wire::announcement::{Announcement, Envelope};
 
 /// What the node task uses, and what it publishes to the others.
 pub(crate) struct Node {
@@ -44,10 +45,15 @@ pub(crate) struct NodeLoop {
     ctx: Node,
     /// Owned here and nowhere else: other tasks see the published `LeaseView`.
     election: Election,
+    /// Decides which announcements the election hears.
+    admission: Admission,
     /// One limiter per rejection kind, so a flood of one kind cannot hide another.
     rejected: HashMap<&'static str, LogLimiter>,
-    /// `sent_at` of our latest announcements: only those measure our own lag, so a
-    /// forged "own" announcement with an old timestamp cannot make us withdraw or exit.
+    /// Our announcements so far (the next one's `seq`).
+    seq: u64,
+    /// `sent_at` of our latest announcements: each measures our own lag once, the first
+    /// time it returns, so neither a forged "own" announcement with an old timestamp nor
+    /// a copy of a real one sent again can make us withdraw or exit.
     sent: VecDeque<DateTime<Utc>>,
     exit: Option<Exit>,
 }
@@ -69,10 +75,15 @@ impl NodeLoop {
 
     pub(crate) fn new(ctx: Node) -> Self {
         let timing = ctx.settings.timing();
+        // An amqp.url lapin cannot read fails every connect with the reason; until then
+        // nothing is admitted either.
+        let user = bus::broker_user(&ctx.settings.amqp).unwrap_or_default();
         Self {
             election: Election::new(ctx.node_id, timing, Instant::now()),
+            admission: Admission::new(Policy::new(&ctx.settings, user)),
             ctx,
             rejected: HashMap::new(),
+            seq: 0,
             sent: VecDeque::with_capacity(SENT_REMEMBERED),
             exit: None,
         }
@@ -179,18 +190,27 @@ impl NodeLoop {
         }
     }
 
-    fn receive(&mut self, decoded: Result<Announcement, Rejected>) {
+    fn receive(&mut self, envelope: Envelope) {
         let now = Instant::now();
-        let a = match decoded {
+        let a = match self.admission.admit(now, Utc::now(), &envelope) {
             Ok(a) => a,
             Err(e) => {
                 self.metrics().rejected(e.kind());
+                let rejected = self.admission.rejected().clone();
+                self.ctx
+                    .probe
+                    .update(|s| s.rejected_announcements = rejected);
                 let limiter = self
                     .rejected
                     .entry(e.kind())
                     .or_insert_with(|| LogLimiter::new(REJECT_LOG_EVERY));
                 if let Some(suppressed) = limiter.allow(now) {
-                    tracing::warn!(reason = e.kind(), suppressed, "dropped announcement: {e}");
+                    tracing::warn!(
+                        reason = e.kind(),
+                        user_id = ?envelope.user_id,
+                        suppressed,
+                        "dropped announcement: {e}"
+                    );
                 }
                 return;
             }
@@ -204,12 +224,21 @@ impl NodeLoop {
             });
         self.election.step(now, a.heard());
         // A withdrawn node keeps measuring: it rejoins once its lag has recovered.
-        let ours = a.node_id == self.ctx.node_id && self.sent.contains(&a.sent_at);
+        let ours = a.node_id == self.ctx.node_id && self.returned(a.sent_at);
         if ours && (!a.leaving || a.withdrawn) {
             // Our own message: sent and received by this clock, so skew cannot fake lag.
             let lag = (Utc::now() - a.sent_at).to_std().unwrap_or_default();
             self.election.observe_own_lag(now, lag);
         }
+    }
+
+    /// Whether `sent_at` is one of our latest announcements, returning for the first time.
+    fn returned(&mut self, sent_at: DateTime<Utc>) -> bool {
+        let Some(i) = self.sent.iter().position(|s| *s == sent_at) else {
+            return false;
+        };
+        self.sent.remove(i);
+        true
     }
 
     /// Carry out what the election asks. False when an announcement could not be sent
@@ -237,10 +266,12 @@ impl NodeLoop {
         match output {
             Output::Send(a) => {
                 let Some(bus) = bus else { return true };
+                self.seq += 1;
                 let msg = Announcement {
                     node_id: self.ctx.node_id,
                     group: self.ctx.settings.election.group.clone(),
                     sent_at: Utc::now(),
+                    seq: self.seq,
                     active: a.active,
                     leaving: a.leaving,
                     probe: a.probe,
@@ -250,8 +281,9 @@ impl NodeLoop {
                     self.sent.pop_front();
                 }
                 self.sent.push_back(msg.sent_at);
+                let sealed = self.admission.policy().seal(&msg);
                 if let Err(e) = bus
-                    .announce(&msg, self.ctx.settings.election.member_ttl)
+                    .announce(&sealed, self.ctx.settings.election.member_ttl)
                     .await
                 {
                     tracing::error!(error = %Chain(&e), "cannot announce");

@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
 
+use crate::admission::RejectedCount;
 use crate::config::Settings;
 use crate::election::Role;
 use crate::metrics::Metrics;
@@ -46,6 +47,8 @@ pub struct Snapshot {
     pub failing_checks: Vec<&'static str>,
     pub lowest: Uuid,
     pub members: Vec<MemberStatus>,
+    /// Announcements that did not count (no proof of membership, replays, junk).
+    pub rejected_announcements: RejectedCount,
     pub bus_connected: bool,
     pub database_ok: Option<bool>,
     pub last_scan: Option<ScanStatus>,
@@ -171,6 +174,7 @@ impl Snapshot {
             failing_checks: Vec::new(),
             lowest: node_id,
             members: Vec::new(),
+            rejected_announcements: RejectedCount::default(),
             bus_connected: false,
             database_ok: None,
             last_scan: None,

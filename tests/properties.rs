@@ -57,9 +57,9 @@ proptest! {
     #[test]
     fn announcements_roundtrip(
         id in uuid(), group in ".{1,40}", at in time(),
-        active: bool, leaving: bool, probe: bool, withdrawn: bool,
+        seq: u64, active: bool, leaving: bool, probe: bool, withdrawn: bool,
     ) {
-        let a = Announcement { node_id: id, group: group.clone(), sent_at: at, active, leaving, probe, withdrawn };
+        let a = Announcement { node_id: id, group: group.clone(), sent_at: at, seq, active, leaving, probe, withdrawn };
         let body = a.encode();
         if body.len() <= MAX_BODY {
             prop_assert_eq!(Announcement::decode(Some(MESSAGE_TYPE), &body, &group), Ok(a));

@@ -3,7 +3,9 @@
 //! The watcher is not a member: it sends a probe that also says `leaving`, so members
 //! answer at their next tick (probe) and nobody adds it to their view (leaving).
 //! Quiet members (election rule `lowest`) answer only such probes, so a watcher probes
-//! again every `member_ttl` to keep them in view.
+//! again every `member_ttl` to keep them in view. It judges what it hears as a member
+//! does (`admission`): it shows the members that count, and how many announcements did
+//! not.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -14,6 +16,7 @@ use chrono::Utc;
 use serde::Serialize;
 use uuid::Uuid;
 
+use crate::admission::{Admission, Policy, RejectedCount};
 use crate::bus::Bus;
 use crate::cli::MembersArgs;
 use crate::config::Settings;
@@ -39,7 +42,9 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
         .context("connecting to RabbitMQ")?;
     let me = Uuid::new_v4();
     let ttl = settings.election.member_ttl;
-    probe(&bus, me, group, ttl).await?;
+    let mut admission = Admission::new(Policy::new(settings, bus.user().to_owned()));
+    let mut seq = 0;
+    probe(&bus, &admission, me, &mut seq, ttl).await?;
     let refresh = settings.election.announce_interval;
     let mut seen: BTreeMap<Uuid, (Instant, Announcement, i64)> = BTreeMap::new();
     let mut next_print = Instant::now() + refresh.mul_f32(1.5);
@@ -50,18 +55,21 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
         tokio::select! {
             _ = tokio::signal::ctrl_c() => break,
             _ = tokio::time::sleep(wait) => {
-                print(&view(&seen, ttl), args.json)?;
+                print(&view(&seen, ttl), admission.rejected(), args.json)?;
                 if args.once { break }
                 next_print = Instant::now() + refresh;
                 if Instant::now() >= next_probe {
-                    probe(&bus, me, group, ttl).await?;
+                    probe(&bus, &admission, me, &mut seq, ttl).await?;
                     next_probe = Instant::now() + ttl / 2;
                 }
             }
             heard = announcements.next() => match heard {
-                Some(Ok(Ok(a))) => record(&mut seen, a, me),
-                // Junk on the group's routing key: the members command ignores it.
-                Some(Ok(Err(_))) => {}
+                // What does not count is counted by the admission and shown below.
+                Some(Ok(envelope)) => {
+                    if let Ok(a) = admission.admit(Instant::now(), Utc::now(), &envelope) {
+                        record(&mut seen, a, me);
+                    }
+                }
                 Some(Err(e)) => return Err(anyhow::Error::new(e).context("consumer failed")),
                 None => anyhow::bail!("consumer cancelled"),
             },
@@ -72,17 +80,26 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
 }
 
 /// An observer's probe: every member answers it, and nobody counts the watcher in.
-async fn probe(bus: &Bus, me: Uuid, group: &str, ttl: Duration) -> anyhow::Result<()> {
+async fn probe(
+    bus: &Bus,
+    admission: &Admission,
+    me: Uuid,
+    seq: &mut u64,
+    ttl: Duration,
+) -> anyhow::Result<()> {
+    *seq += 1;
+    let policy = admission.policy();
     let probe = Announcement {
         node_id: me,
-        group: group.to_owned(),
+        group: policy.group.clone(),
         sent_at: Utc::now(),
+        seq: *seq,
         active: false,
         leaving: true,
         probe: true,
         withdrawn: false,
     };
-    bus.announce(&probe, ttl).await?;
+    bus.announce(&policy.seal(&probe), ttl).await?;
     Ok(())
 }
 
@@ -122,7 +139,7 @@ fn view(seen: &BTreeMap<Uuid, (Instant, Announcement, i64)>, ttl: Duration) -> V
         .collect()
 }
 
-fn print(members: &[Seen], json: bool) -> anyhow::Result<()> {
+fn print(members: &[Seen], rejected: &RejectedCount, json: bool) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string(members)?);
         return Ok(());
@@ -144,6 +161,21 @@ fn print(members: &[Seen], json: bool) -> anyhow::Result<()> {
             mark, m.node_id, role, m.last_seen_ms, m.lag_ms
         );
     }
-    println!("({} members; * = lowest candidate)\n", members.len());
+    println!("({} members; * = lowest candidate)", members.len());
+    if let Some(last) = &rejected.last {
+        let reasons: Vec<String> = rejected
+            .by_reason
+            .iter()
+            .map(|(reason, n)| format!("{reason} {n}"))
+            .collect();
+        println!(
+            "{} announcements did not count ({}); the last: {}, from broker user {:?}",
+            rejected.total,
+            reasons.join(", "),
+            last.detail,
+            last.user_id.as_deref().unwrap_or("(none)")
+        );
+    }
+    println!();
     Ok(())
 }

@@ -1,5 +1,6 @@
-//! A connection URL that may carry a password: the password reaches the driver and
-//! nothing else. `Debug` and `Serialize` (logs, `check-config`) show it redacted, so a
+//! Secrets in the settings: a connection URL that may carry a password, and a plain
+//! secret (the election's group secret). The secret reaches the code that uses it and
+//! nothing else: `Debug` and `Serialize` (logs, `check-config`) show it redacted, so a
 //! settings dump can never leak it by accident.
 
 use std::fmt;
@@ -41,6 +42,42 @@ impl Serialize for SecretUrl {
 impl<'de> Deserialize<'de> for SecretUrl {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         String::deserialize(d).map(Self::new)
+    }
+}
+
+/// A secret string; empty means "not set".
+#[derive(Clone, Default)]
+pub struct Secret(SecretString);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        self.0.expose_secret()
+    }
+
+    pub fn is_set(&self) -> bool {
+        !self.expose().is_empty()
+    }
+
+    fn shown(&self) -> &'static str {
+        if self.is_set() { "***" } else { "" }
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.shown())
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.shown())
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(|s| Self(SecretString::from(s)))
     }
 }
 

@@ -1,14 +1,21 @@
 //! The announcement wire format: encode, decode, validate. Nothing else.
 //!
-//! Body: `{"node_id", "group", "sent_at", "active", "leaving", "probe", "withdrawn"}`.
-//! The booleans default to `false` when absent, so announcements of earlier versions
-//! (without `withdrawn`) still decode, and unknown fields are ignored, so earlier
-//! versions decode ours. A withdrawn node also sets `leaving`: an earlier version drops
-//! it at once instead of waiting for it, a current one keeps it as a member that is
-//! not a candidate.
+//! Body: `{"node_id", "group", "sent_at", "seq", "active", "leaving", "probe",
+//! "withdrawn"}`. The booleans default to `false` and `seq` to 0 when absent, so
+//! announcements of earlier versions still decode, and unknown fields are ignored, so
+//! earlier versions decode ours. A withdrawn node also sets `leaving`: an earlier version
+//! drops it at once instead of waiting for it, a current one keeps it as a member that
+//! is not a candidate.
+//!
+//! Who sent it is not in the body: the AMQP `user_id` property (which the broker
+//! validates) and, with a group secret, an HMAC of the body in header
+//! [`SIGNATURE_HEADER`]. Judging those is `admission`'s job; this module only carries
+//! and computes them.
 
 use chrono::{DateTime, Utc};
+use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
+use sha2::Sha256;
 use uuid::Uuid;
 
 use crate::election::Heard;
@@ -17,12 +24,22 @@ use crate::election::Heard;
 pub const MESSAGE_TYPE: &str = "TimeoutManagerAnnouncement";
 /// Bodies larger than this are refused before parsing (a real one is ~150 bytes).
 pub const MAX_BODY: usize = 4096;
+/// Header carrying the hex HMAC-SHA256 of the body under the group secret.
+pub const SIGNATURE_HEADER: &str = "x-timeoutd-signature";
+/// Prefixed to the body before signing, so that a signature over an announcement can
+/// never be passed off as one over anything else keyed with the same secret.
+const SIGNING_CONTEXT: &[u8] = b"timeoutd announcement v1\0";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Announcement {
     pub node_id: Uuid,
     pub group: String,
     pub sent_at: DateTime<Utc>,
+    /// Counts the sender's announcements since it started (its id is new at every
+    /// start): a receiver takes each number from a sender once, so a captured
+    /// announcement sent again does not count. 0 from earlier versions.
+    #[serde(default)]
+    pub seq: u64,
     #[serde(default)]
     pub active: bool,
     #[serde(default)]
@@ -33,6 +50,20 @@ pub struct Announcement {
     /// comes with `leaving` for the sake of earlier versions.
     #[serde(default)]
     pub withdrawn: bool,
+}
+
+/// One delivery from the group's announcement queue as the broker handed it over,
+/// nothing judged yet.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Envelope {
+    /// The AMQP `type` property.
+    pub kind: Option<String>,
+    /// The AMQP `user_id` property: the broker refuses one that is not the publishing
+    /// connection's own user (unless that user is tagged `impersonator`).
+    pub user_id: Option<String>,
+    /// The [`SIGNATURE_HEADER`] value, if it is a string.
+    pub signature: Option<String>,
+    pub body: Vec<u8>,
 }
 
 /// Why an incoming announcement was dropped.
@@ -46,6 +77,18 @@ pub enum Rejected {
     Malformed(String),
     #[error("announcement for group {0:?}, not ours")]
     OtherGroup(String),
+    #[error("no proof of membership ({0})")]
+    Unauthenticated(&'static str),
+    #[error("sent by broker user {0:?}, not the daemons' own")]
+    ForeignUser(String),
+    #[error("signature does not verify with election.secret")]
+    BadSignature,
+    #[error("announcement {seq} of its sender came after {last}: a copy sent again")]
+    Replayed { seq: u64, last: u64 },
+    #[error(
+        "sent_at is {0} ms away from this node's clock (more than member_ttl + election.max_clock_skew)"
+    )]
+    Stale(i64),
 }
 
 impl Rejected {
@@ -56,7 +99,45 @@ impl Rejected {
             Rejected::ForeignType(_) => "foreign_type",
             Rejected::Malformed(_) => "malformed",
             Rejected::OtherGroup(_) => "other_group",
+            Rejected::Unauthenticated(_) => "unauthenticated",
+            Rejected::ForeignUser(_) => "foreign_user",
+            Rejected::BadSignature => "bad_signature",
+            Rejected::Replayed { .. } => "replayed",
+            Rejected::Stale(_) => "stale",
         }
+    }
+}
+
+/// The group secret, ready to sign and verify announcement bodies.
+#[derive(Clone)]
+pub struct GroupKey(Hmac<Sha256>);
+
+impl std::fmt::Debug for GroupKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GroupKey(***)")
+    }
+}
+
+impl GroupKey {
+    pub fn new(secret: &[u8]) -> Self {
+        Self(Hmac::new_from_slice(secret).expect("HMAC takes keys of any length"))
+    }
+
+    fn mac(&self, body: &[u8]) -> Hmac<Sha256> {
+        let mut mac = self.0.clone();
+        mac.update(SIGNING_CONTEXT);
+        mac.update(body);
+        mac
+    }
+
+    /// The value of [`SIGNATURE_HEADER`] for `body`.
+    pub fn sign(&self, body: &[u8]) -> String {
+        hex::encode(self.mac(body).finalize().into_bytes())
+    }
+
+    /// Whether `signature` is this key's for `body` (compared in constant time).
+    pub fn verifies(&self, body: &[u8], signature: &str) -> bool {
+        hex::decode(signature.trim()).is_ok_and(|sig| self.mac(body).verify_slice(&sig).is_ok())
     }
 }
 
@@ -110,11 +191,36 @@ mod tests {
             node_id: Uuid::new_v4(),
             group: GROUP.into(),
             sent_at: Utc::now(),
+            seq: 7,
             active: true,
             leaving: false,
             probe: false,
             withdrawn: false,
         }
+    }
+
+    #[test]
+    fn a_signature_verifies_only_with_its_key_and_its_body() {
+        let body = sample().encode();
+        let key = GroupKey::new(b"a group secret of some length");
+        let sig = key.sign(&body);
+        assert!(key.verifies(&body, &sig));
+        assert!(!GroupKey::new(b"another secret").verifies(&body, &sig));
+        let mut changed = body.clone();
+        changed[10] ^= 1;
+        assert!(!key.verifies(&changed, &sig));
+        for junk in ["", "zz", &sig[..10], "00"] {
+            assert!(!key.verifies(&body, junk), "{junk:?}");
+        }
+    }
+
+    /// Earlier versions send no `seq`: it decodes as 0.
+    #[test]
+    fn an_announcement_without_seq_decodes_with_seq_zero() {
+        let body = br#"{"node_id": "0f1e2d3c-4b5a-4968-8776-a5b4c3d2e1f0", "group": "g",
+            "sent_at": "2026-11-21T10:00:00.123Z"}"#;
+        let a = Announcement::decode(Some(MESSAGE_TYPE), body, GROUP).expect("valid");
+        assert_eq!(a.seq, 0);
     }
 
     #[test]

@@ -8,12 +8,18 @@ use timeoutd::client::Expectation;
 
 use crate::common::{Inbox, Observer, Proc, World, amqp, wait_for, wait_for_async};
 
-/// Publish raw bodies on the group's announcement routing key.
+/// Publish raw bodies on the group's announcement routing key, as the daemons' own
+/// broker user (the test's connection logs in as it): junk from a member, judged past
+/// the proof of membership.
 pub async fn publish_junk(group: &str, junk: &[(Option<&str>, Vec<u8>)]) {
     let conn = amqp().await;
     let ch = conn.create_channel().await.expect("channel");
+    let user = url::Url::parse(&crate::common::amqp_url())
+        .expect("url")
+        .username()
+        .to_owned();
     for (kind, body) in junk {
-        let mut props = BasicProperties::default();
+        let mut props = BasicProperties::default().with_user_id(user.as_str().into());
         if let Some(k) = kind {
             props = props.with_type((*k).into());
         }

@@ -197,7 +197,12 @@ impl World {
 }
 
 pub async fn amqp() -> Connection {
-    Connection::connect(&amqp_url(), ConnectionProperties::default())
+    amqp_at(&amqp_url()).await
+}
+
+/// A connection as the user (and to the vhost) of `url`.
+pub async fn amqp_at(url: &str) -> Connection {
+    Connection::connect(url, ConnectionProperties::default())
         .await
         .expect("rabbitmq reachable")
 }
@@ -239,16 +244,17 @@ pub struct Inbox {
 impl Inbox {
     /// A queue reached through the default exchange with routing key = its name.
     pub async fn new() -> Self {
-        Self::bound(None).await
+        Self::at(&amqp_url(), None).await
     }
 
     /// A queue bound to a fresh topic exchange `(exchange, key)`.
     pub async fn on_exchange(exchange: &str, key: &str) -> Self {
-        Self::bound(Some((exchange, key))).await
+        Self::at(&amqp_url(), Some((exchange, key))).await
     }
 
-    async fn bound(binding: Option<(&str, &str)>) -> Self {
-        let conn = amqp().await;
+    /// As [`Inbox::new`] or [`Inbox::on_exchange`], as the user and in the vhost of `url`.
+    pub async fn at(url: &str, binding: Option<(&str, &str)>) -> Self {
+        let conn = amqp_at(url).await;
         let ch = conn.create_channel().await.expect("channel");
         let auto_delete = ExchangeDeclareOptions {
             auto_delete: true,
