@@ -15,11 +15,28 @@
 //!
 //! Proof is not enough against a copy of a real announcement sent again later (a
 //! replay: a forged `leaving`, a dead node brought back, a node's own announcement
-//! returned late to make it step down). So each sender's announcements count in the
-//! order of their `seq` (then `sent_at`), each once, and one whose `sent_at` is further
-//! from this node's clock than `member_ttl` + `max_clock_skew` does not count at all. A
-//! sender's last number is remembered long enough that any older copy is stale by the
-//! time it is forgotten.
+//! returned late to make it step down). So:
+//! - each of a sender's announcements (by `seq`) counts once; one that arrives behind a
+//!   later one counts only while it is among the sender's latest [`WINDOW`] and was
+//!   sent within `max_clock_skew` (reordered on the way, not kept and sent again: as
+//!   IPsec's anti-replay window). Earlier versions send no `seq`: theirs count in the
+//!   order of `sent_at`;
+//! - another node's announcement whose `sent_at` is further from this node's clock
+//!   than `announce_interval` + `max_clock_skew` (or further ahead than
+//!   `max_clock_skew`) does not count at all: a real one arrives within milliseconds,
+//!   and every member speaks again within an interval. A copy sent again sooner than
+//!   that, to a node that missed the original, counts once: news that old is still
+//!   true enough. The node's own announcements come back however late they are: their
+//!   delay is how it measures its own lag (`max_lag`);
+//! - nor does one sent more than `max_clock_skew` before this node began listening
+//!   (started, or reconnected: [`Admission::restart`]). A node that has just begun
+//!   knows no sender's last number, and a copy of a dead node's announcement would
+//!   otherwise bring it back for it; the live members answer its probe anyway.
+//!
+//! A sender's last number is remembered long enough that any older copy is stale by
+//! the time it is forgotten. The clocks of the members must therefore agree within
+//! `max_clock_skew`; announcements of a member whose clock does not are dropped as
+//! `stale`, counted and logged with the offset.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -38,6 +55,7 @@ pub struct Policy {
     pub user: String,
     pub key: Option<GroupKey>,
     pub accept_unauthenticated: bool,
+    pub announce_interval: Duration,
     pub member_ttl: Duration,
     pub max_clock_skew: Duration,
 }
@@ -54,6 +72,7 @@ impl Policy {
                 .is_set()
                 .then(|| GroupKey::new(e.secret.expose().as_bytes())),
             accept_unauthenticated: e.accept_unauthenticated,
+            announce_interval: e.announce_interval,
             member_ttl: e.member_ttl,
             max_clock_skew: e.max_clock_skew,
         }
@@ -65,9 +84,9 @@ impl Policy {
         seal(a, &self.user, self.key.as_ref())
     }
 
-    /// How far `sent_at` may be in the past (by this node's clock).
+    /// How far another node's `sent_at` may be in the past (by this node's clock).
     fn max_age(&self) -> chrono::Duration {
-        chrono::Duration::from_std(self.member_ttl + self.max_clock_skew)
+        chrono::Duration::from_std(self.announce_interval + self.max_clock_skew)
             .unwrap_or(chrono::Duration::MAX)
     }
 
@@ -83,18 +102,75 @@ impl Policy {
     }
 }
 
+/// How far behind a sender's newest announcement a late one may still count.
+pub const WINDOW: u64 = 64;
+
 /// Senders remembered at most: only senders with proof are remembered, so this bounds
 /// memory, never correctness in a real group.
 const MAX_SENDERS: usize = 4096;
 
-/// The order of one sender's announcements.
-type Position = (u64, DateTime<Utc>);
+/// What a receiver remembers of one sender.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    /// The newest `seq` counted.
+    newest: u64,
+    /// Bit `i` set: `newest - i` was counted.
+    counted: u64,
+    /// For senders without `seq` (earlier versions): the newest `sent_at` counted.
+    legacy: Option<DateTime<Utc>>,
+    /// When it was last counted (remembered `remember_for` after that).
+    at: Instant,
+}
+
+impl Seen {
+    fn new(at: Instant) -> Self {
+        Self {
+            newest: 0,
+            counted: 0,
+            legacy: None,
+            at,
+        }
+    }
+
+    /// Count announcement `seq` (sent at `sent_at`) unless it was counted before or is
+    /// too far behind; `Err(newest)` when it may not count.
+    fn count(&mut self, seq: u64, sent_at: DateTime<Utc>) -> Result<(), u64> {
+        if seq == 0 {
+            if self.legacy.is_some_and(|last| sent_at <= last) {
+                return Err(self.newest);
+            }
+            self.legacy = Some(sent_at);
+            return Ok(());
+        }
+        if seq > self.newest {
+            let shift = seq - self.newest;
+            self.counted = if shift >= WINDOW {
+                0
+            } else {
+                self.counted << shift
+            };
+            self.counted |= 1;
+            self.newest = seq;
+            return Ok(());
+        }
+        let behind = self.newest - seq;
+        if behind >= WINDOW || self.counted & (1 << behind) != 0 {
+            return Err(self.newest);
+        }
+        self.counted |= 1 << behind;
+        Ok(())
+    }
+}
 
 /// The admission of one node (or watcher).
 #[derive(Debug)]
 pub struct Admission {
     policy: Policy,
-    last: HashMap<Uuid, (Position, Instant)>,
+    /// This node's own id: its announcements are judged by proof and count, not age.
+    me: Option<Uuid>,
+    last: HashMap<Uuid, Seen>,
+    /// When this node began listening (its clock): nothing sent well before counts.
+    since: DateTime<Utc>,
     rejected: RejectedCount,
 }
 
@@ -119,12 +195,22 @@ pub struct LastRejected {
 }
 
 impl Admission {
-    pub fn new(policy: Policy) -> Self {
+    /// The admission of node `me` (`None`: a watcher), judging from `wall` (this node's
+    /// clock) on.
+    pub fn new(policy: Policy, me: Option<Uuid>, wall: DateTime<Utc>) -> Self {
         Self {
             policy,
+            me,
             last: HashMap::new(),
+            since: wall,
             rejected: RejectedCount::default(),
         }
+    }
+
+    /// The node listens anew (a new broker connection): what was sent while it did not
+    /// listen does not count.
+    pub fn restart(&mut self, wall: DateTime<Utc>) {
+        self.since = wall;
     }
 
     pub fn rejected(&self) -> &RejectedCount {
@@ -162,11 +248,13 @@ impl Admission {
         }
         self.authenticate(envelope)?;
         let a = Announcement::decode(envelope.kind.as_deref(), body, &self.policy.group)?;
-        let skew = wall - a.sent_at;
-        if skew > self.policy.max_age() || -skew > self.policy.max_ahead() {
-            return Err(Rejected::Stale(skew.num_milliseconds()));
+        let age = wall - a.sent_at;
+        let before_us = self.since - a.sent_at > self.policy.max_ahead();
+        let too_old = age > self.policy.max_age() || before_us;
+        if Some(a.node_id) != self.me && (too_old || -age > self.policy.max_ahead()) {
+            return Err(Rejected::Stale(age.num_milliseconds()));
         }
-        self.in_order(now, &a)?;
+        self.once(now, wall, &a)?;
         Ok(a)
     }
 
@@ -193,30 +281,38 @@ impl Admission {
         }
     }
 
-    /// Each sender's announcements count once each, in order.
-    fn in_order(&mut self, now: Instant, a: &Announcement) -> Result<(), Rejected> {
+    /// Each of a sender's announcements counts once (see [`Seen`]); one behind a later
+    /// one only if it is recent.
+    fn once(
+        &mut self,
+        now: Instant,
+        wall: DateTime<Utc>,
+        a: &Announcement,
+    ) -> Result<(), Rejected> {
         let keep = self.policy.remember_for();
-        let position = (a.seq, a.sent_at);
-        if let Some(((seq, sent_at), at)) = self.last.get(&a.node_id)
-            && now.saturating_duration_since(*at) <= keep
-            && position <= (*seq, *sent_at)
-        {
-            return Err(Rejected::Replayed {
-                seq: a.seq,
-                last: *seq,
-            });
-        }
         if self.last.len() >= MAX_SENDERS && !self.last.contains_key(&a.node_id) {
             self.last
-                .retain(|_, (_, at)| now.saturating_duration_since(*at) <= keep);
+                .retain(|_, seen| now.saturating_duration_since(seen.at) <= keep);
             if self.last.len() >= MAX_SENDERS
-                && let Some(oldest) = self.last.iter().min_by_key(|(_, (_, at))| *at)
+                && let Some(oldest) = self.last.iter().min_by_key(|(_, seen)| seen.at)
             {
                 let oldest = *oldest.0;
                 self.last.remove(&oldest);
             }
         }
-        self.last.insert(a.node_id, (position, now));
+        let seen = self.last.entry(a.node_id).or_insert_with(|| Seen::new(now));
+        if now.saturating_duration_since(seen.at) > keep {
+            *seen = Seen::new(now);
+        }
+        if a.seq > 0 && a.seq < seen.newest && wall - a.sent_at > self.policy.max_ahead() {
+            return Err(Rejected::Replayed {
+                seq: a.seq,
+                last: seen.newest,
+            });
+        }
+        seen.count(a.seq, a.sent_at)
+            .map_err(|last| Rejected::Replayed { seq: a.seq, last })?;
+        seen.at = now;
         Ok(())
     }
 

@@ -80,7 +80,11 @@ impl NodeLoop {
         let user = bus::broker_user(&ctx.settings.amqp).unwrap_or_default();
         Self {
             election: Election::new(ctx.node_id, timing, Instant::now()),
-            admission: Admission::new(Policy::new(&ctx.settings, user)),
+            admission: Admission::new(
+                Policy::new(&ctx.settings, user),
+                Some(ctx.node_id),
+                Utc::now(),
+            ),
             ctx,
             rejected: HashMap::new(),
             seq: 0,
@@ -104,6 +108,7 @@ impl NodeLoop {
             } else {
                 tracing::info!("reconnected to RabbitMQ: probing the group again");
                 self.election.bus_lost(Instant::now());
+                self.admission.restart(Utc::now());
             }
             first = false;
             self.ctx.health.pass(Check::Publish);

@@ -40,7 +40,8 @@ const METRICS: [&str; 18] = [
     "timeoutd_postgres_connected",
 ];
 const HISTOGRAM_SUFFIXES: [&str; 3] = ["_bucket", "_sum", "_count"];
-const REQUIRED_ALERTS: [&str; 5] = [
+const REQUIRED_ALERTS: [&str; 6] = [
+    "TimeoutdForeignAnnouncements",
     "TimeoutdNoActiveNode",
     "TimeoutdSplitBrain",
     "TimeoutdLatenessHigh",

@@ -42,7 +42,8 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
         .context("connecting to RabbitMQ")?;
     let me = Uuid::new_v4();
     let ttl = settings.election.member_ttl;
-    let mut admission = Admission::new(Policy::new(settings, bus.user().to_owned()));
+    let policy = Policy::new(settings, bus.user().to_owned());
+    let mut admission = Admission::new(policy, Some(me), Utc::now());
     let mut seq = 0;
     probe(&bus, &admission, me, &mut seq, ttl).await?;
     let refresh = settings.election.announce_interval;

@@ -83,7 +83,9 @@ pub enum Rejected {
     ForeignUser(String),
     #[error("signature does not verify with election.secret")]
     BadSignature,
-    #[error("announcement {seq} of its sender came after {last}: a copy sent again")]
+    #[error(
+        "announcement {seq} of its sender was counted before, or is far behind {last}: a copy sent again"
+    )]
     Replayed { seq: u64, last: u64 },
     #[error(
         "sent_at is {0} ms away from this node's clock (more than member_ttl + election.max_clock_skew)"

@@ -21,6 +21,8 @@ pub struct Measures {
     open: Vec<u64>,
     takeovers_ns: Vec<u64>,
     pub deliveries: u64,
+    /// Deliveries a node's admission dropped (forgeries, replays, duplicates).
+    pub rejected: u64,
 }
 
 impl Measures {
@@ -103,6 +105,7 @@ impl Measures {
             takeover_p50_s: pct(0.50),
             takeover_p99_s: pct(0.99),
             takeover_max_s: pct(1.0),
+            rejected: self.rejected,
             head,
         }
     }
@@ -131,6 +134,8 @@ pub struct Head {
     pub loss: f64,
     pub jitter_ms: f64,
     pub announce_interval_s: f64,
+    pub attack: crate::Attack,
+    pub secret: bool,
 }
 
 /// One line of the table.
@@ -149,6 +154,8 @@ pub struct Report {
     pub takeover_p50_s: f64,
     pub takeover_p99_s: f64,
     pub takeover_max_s: f64,
+    /// Deliveries the members did not count (whole run, warm-up included).
+    pub rejected: u64,
 }
 
 #[cfg(test)]

@@ -18,6 +18,35 @@ pub enum SimRule {
     New,
 }
 
+/// What an attacker on the announcement exchange does, every 100 ms of the run. Members
+/// judge what they receive as the daemon does (`timeoutd::admission`), so a run under
+/// attack must measure exactly as the same run without one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Attack {
+    #[default]
+    None,
+    /// Announcements without proof of membership: the lowest id there is (as active),
+    /// without a user or as another broker user; a `leaving` for the active node; with
+    /// a group secret, the same signed with a made-up signature.
+    Forge,
+    /// Copies of real announcements (proof and all) captured at least 2 s earlier,
+    /// sent again: old `leaving`s, dead nodes, each node's own.
+    Replay,
+    /// Both.
+    ForgeAndReplay,
+}
+
+impl Attack {
+    pub fn forges(self) -> bool {
+        matches!(self, Attack::Forge | Attack::ForgeAndReplay)
+    }
+
+    pub fn replays(self) -> bool {
+        matches!(self, Attack::Replay | Attack::ForgeAndReplay)
+    }
+}
+
 /// The disruptions of a run, repeated every `period` after the warm-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -74,6 +103,10 @@ pub struct SimConfig {
     pub warmup: Duration,
     pub scenario: Scenario,
     pub seed: u64,
+    pub attack: Attack,
+    /// Members prove membership with a group secret (and share their broker user with
+    /// the attacker) instead of their own broker user.
+    pub secret: bool,
 }
 
 impl SimConfig {
@@ -97,6 +130,8 @@ impl SimConfig {
             warmup: Duration::from_secs(5),
             scenario,
             seed,
+            attack: Attack::None,
+            secret: false,
         }
     }
 

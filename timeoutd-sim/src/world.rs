@@ -1,16 +1,37 @@
-//! The simulated world: slots running real `Election`s, a topic exchange that hands
-//! every announcement to every queue, and a priority queue of events in virtual time.
+//! The simulated world: slots running real `Election`s behind real `Admission`s, a topic
+//! exchange that hands every announcement to every queue, an optional attacker on that
+//! exchange, and a priority queue of events in virtual time.
 
 use std::cmp::{Ordering, Reverse};
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use timeoutd::election::{Election, Heard, Output, Role, Timing};
+use timeoutd::admission::{Admission, Policy};
+use timeoutd::election::{Election, Output, Role, Timing};
+use timeoutd::wire::announcement::{Announcement, Envelope, GroupKey};
+use uuid::Uuid;
 
 use crate::measure::{Head, Measures, Report};
 use crate::scenario::{Scenario, SimConfig, SimRule};
+
+/// The group's name and the members' broker user in the simulation.
+const GROUP: &str = "sim";
+const USER: &str = "timeoutd";
+const SECRET: &[u8] = b"the simulated group secret";
+/// How often the attacker strikes.
+const ATTACK_EVERY: Duration = Duration::from_millis(100);
+/// The attacker replays only what it captured at least this long ago (longer than any
+/// link delay): a copy racing its original would only bring the same news earlier.
+const REPLAY_AFTER: Duration = Duration::from_secs(2);
+/// Captured announcements the attacker keeps.
+const CAPTURED: usize = 2000;
+
+/// One delivery as a queue holds it.
+type Mail = Rc<Envelope>;
 
 /// Virtual time in nanoseconds since the start of the run.
 type Ns = u64;
@@ -22,6 +43,10 @@ fn ns(d: Duration) -> Ns {
 /// One replica's place in the group; a restart puts a fresh node (new id, new queue) in it.
 struct Slot {
     election: Option<Election>,
+    /// Judges what the node receives, as the daemon does; new with every node.
+    admission: Option<Admission>,
+    /// The node's announcements so far.
+    sent: u64,
     /// Incarnation: events addressed to an earlier node in this slot are dropped.
     inc: u32,
     rule: SimRule,
@@ -29,12 +54,12 @@ struct Slot {
     /// Cut off from the broker: hears nothing, reaches nobody.
     isolated: bool,
     /// Deliveries waiting in a paused node's queue: (sent, announcement).
-    backlog: Vec<(Ns, Heard)>,
+    backlog: Vec<(Ns, Mail)>,
     /// Counted as active in the measures.
     active: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Event {
     Tick {
         slot: usize,
@@ -44,8 +69,9 @@ enum Event {
         slot: usize,
         inc: u32,
         sent: Ns,
-        heard: Heard,
+        mail: Mail,
     },
+    Attack,
     Start {
         slot: usize,
     },
@@ -96,6 +122,12 @@ struct World<'a> {
     /// Next slot of a rolling restart.
     cursor: usize,
     measures: Measures,
+    policy: Policy,
+    /// The attacker's own randomness, so that an attacked run and a quiet one of the
+    /// same seed draw the same numbers for the group.
+    attacker_rng: StdRng,
+    /// What the attacker captured from the exchange: (sent, delivery).
+    captured: VecDeque<(Ns, Mail)>,
 }
 
 /// Run one simulation to the end and measure it.
@@ -121,6 +153,8 @@ impl<'a> World<'a> {
         let slots = (0..cfg.nodes)
             .map(|i| Slot {
                 election: None,
+                admission: None,
+                sent: 0,
                 inc: 0,
                 rule: if i < cfg.old_nodes {
                     SimRule::Old
@@ -145,7 +179,22 @@ impl<'a> World<'a> {
             active_outside: 0,
             cursor: 0,
             measures: Measures::new(ns(cfg.warmup)),
+            policy: Policy {
+                group: GROUP.into(),
+                user: USER.into(),
+                key: cfg.secret.then(|| GroupKey::new(SECRET)),
+                accept_unauthenticated: false,
+                announce_interval: cfg.announce_interval,
+                member_ttl: cfg.member_ttl,
+                // The daemon's default.
+                max_clock_skew: Duration::from_secs(1),
+            },
+            attacker_rng: StdRng::seed_from_u64(cfg.seed ^ 0xa77ac4),
+            captured: VecDeque::new(),
         };
+        if cfg.attack != crate::Attack::None {
+            world.schedule(0, Event::Attack);
+        }
         // Replicas start within one tick of each other, as under an orchestrator.
         for slot in 0..cfg.nodes {
             let at = world.rng.random_range(0..ns(cfg.tick));
@@ -170,6 +219,8 @@ impl<'a> World<'a> {
             loss: cfg.links.loss,
             jitter_ms: cfg.links.jitter.as_secs_f64() * 1e3,
             announce_interval_s: cfg.announce_interval.as_secs_f64(),
+            attack: cfg.attack,
+            secret: cfg.secret,
         }
     }
 
@@ -186,6 +237,13 @@ impl<'a> World<'a> {
         self.base + Duration::from_nanos(self.now)
     }
 
+    /// The wall clock every node shares (no skew simulated), fixed for determinism.
+    fn wall(&self) -> DateTime<Utc> {
+        DateTime::<Utc>::UNIX_EPOCH
+            + chrono::Duration::days(20_000)
+            + chrono::Duration::nanoseconds(self.now as i64)
+    }
+
     fn handle(&mut self, event: Event) {
         match event {
             Event::Tick { slot, inc } => self.tick(slot, inc),
@@ -193,8 +251,9 @@ impl<'a> World<'a> {
                 slot,
                 inc,
                 sent,
-                heard,
-            } => self.deliver(slot, inc, sent, heard),
+                mail,
+            } => self.deliver(slot, inc, sent, mail),
+            Event::Attack => self.attack(),
             Event::Start { slot } => self.start(slot),
             Event::Disrupt => self.disrupt(),
             Event::Heal { slot } => self.heal(slot),
@@ -207,12 +266,15 @@ impl<'a> World<'a> {
         let mut timing = Timing::new(self.cfg.announce_interval, self.cfg.member_ttl);
         timing.rule = self.cfg.election_rule(self.slots[slot].rule);
         let now = self.instant();
+        let wall = self.wall();
         let s = &mut self.slots[slot];
         s.inc += 1;
         s.paused = false;
         s.isolated = false;
         s.backlog.clear();
         s.election = Some(Election::new(id, timing, now));
+        s.admission = Some(Admission::new(self.policy.clone(), Some(id), wall));
+        s.sent = 0;
         let inc = s.inc;
         self.schedule(self.now + ns(self.cfg.tick), Event::Tick { slot, inc });
         self.flush(slot);
@@ -230,28 +292,35 @@ impl<'a> World<'a> {
         self.flush(slot);
     }
 
-    fn deliver(&mut self, slot: usize, inc: u32, sent: Ns, heard: Heard) {
+    fn deliver(&mut self, slot: usize, inc: u32, sent: Ns, mail: Mail) {
         let s = &mut self.slots[slot];
         if s.inc != inc || s.election.is_none() || s.isolated {
             return;
         }
         if s.paused {
-            s.backlog.push((sent, heard));
+            s.backlog.push((sent, mail));
             return;
         }
-        self.step(slot, sent, heard);
+        self.step(slot, sent, &mail);
         self.flush(slot);
     }
 
-    /// One announcement into the node (its own echo also measures its lag).
-    fn step(&mut self, slot: usize, sent: Ns, heard: Heard) {
+    /// One delivery into the node: judged by its admission, then (if it counts) into
+    /// the election; its own echo also measures its lag.
+    fn step(&mut self, slot: usize, sent: Ns, mail: &Envelope) {
         let now = self.instant();
+        let wall = self.wall();
         let lag = Duration::from_nanos(self.now - sent);
-        let Some(e) = self.slots[slot].election.as_mut() else {
+        let s = &mut self.slots[slot];
+        let (Some(e), Some(admission)) = (s.election.as_mut(), s.admission.as_mut()) else {
             return;
         };
-        e.step(now, heard);
-        if heard.from == e.id() {
+        let Ok(a) = admission.admit(now, wall, mail) else {
+            self.measures.rejected += 1;
+            return;
+        };
+        e.step(now, a.heard());
+        if a.node_id == e.id() {
             e.observe_own_lag(now, lag);
         }
     }
@@ -260,23 +329,32 @@ impl<'a> World<'a> {
     fn flush(&mut self, slot: usize) {
         let mut sends = Vec::new();
         let mut exit = false;
-        if let Some(e) = self.slots[slot].election.as_mut() {
+        let wall = self.wall();
+        let s = &mut self.slots[slot];
+        if let Some(e) = s.election.as_mut() {
             while let Some(out) = e.poll_output() {
                 match out {
-                    Output::Send(a) => sends.push(Heard {
-                        from: e.id(),
-                        active: a.active,
-                        leaving: a.leaving,
-                        probe: a.probe,
-                        withdrawn: a.withdrawn,
-                    }),
+                    Output::Send(a) => {
+                        s.sent += 1;
+                        sends.push(Announcement {
+                            node_id: e.id(),
+                            group: GROUP.into(),
+                            sent_at: wall,
+                            seq: s.sent,
+                            active: a.active,
+                            leaving: a.leaving,
+                            probe: a.probe,
+                            withdrawn: a.withdrawn,
+                        })
+                    }
                     Output::Exit { .. } => exit = true,
                     _ => {}
                 }
             }
         }
-        for heard in sends {
-            self.broadcast(slot, heard);
+        for a in sends {
+            let mail = Rc::new(self.policy.seal(&a));
+            self.broadcast(slot, mail);
         }
         if exit {
             self.kill(slot, Duration::from_secs(2));
@@ -287,10 +365,23 @@ impl<'a> World<'a> {
     /// The topic exchange: one copy per bound queue (every live node, paused ones
     /// included), each through the link model; expired copies (older than
     /// `member_ttl`, the per-message expiration) are dropped.
-    fn broadcast(&mut self, from: usize, heard: Heard) {
+    fn broadcast(&mut self, from: usize, mail: Mail) {
         if self.slots[from].isolated {
             return;
         }
+        if self.cfg.attack.replays() {
+            if self.captured.len() == CAPTURED {
+                self.captured.pop_front();
+            }
+            self.captured.push_back((self.now, mail.clone()));
+        }
+        self.send_to_all(mail, Some(from));
+    }
+
+    /// One copy per bound queue through the link model; the attacker's traffic (`from`
+    /// = `None`) draws from its own randomness and is not counted as the group's.
+    fn send_to_all(&mut self, mail: Mail, from: Option<usize>) {
+        let attacker = from.is_none();
         let ttl = ns(self.cfg.member_ttl);
         for to in 0..self.slots.len() {
             let s = &self.slots[to];
@@ -298,18 +389,79 @@ impl<'a> World<'a> {
                 continue;
             }
             let inc = s.inc;
-            self.measures.delivered(self.now);
-            for delay in self.cfg.links.copies(&mut self.rng) {
+            let copies = if attacker {
+                self.cfg.links.copies(&mut self.attacker_rng)
+            } else {
+                self.measures.delivered(self.now);
+                self.cfg.links.copies(&mut self.rng)
+            };
+            for delay in copies {
                 if delay <= ttl {
                     let event = Event::Deliver {
                         slot: to,
                         inc,
                         sent: self.now,
-                        heard,
+                        mail: mail.clone(),
                     };
                     self.schedule(self.now + delay, event);
                 }
             }
+        }
+    }
+
+    /// One strike of the attacker (see [`crate::Attack`]).
+    fn attack(&mut self) {
+        self.schedule(self.now + ns(ATTACK_EVERY), Event::Attack);
+        let wall = self.wall();
+        if self.cfg.attack.forges() {
+            let forged = |node: Uuid, active: bool, leaving: bool| Announcement {
+                node_id: node,
+                group: GROUP.into(),
+                sent_at: wall,
+                seq: u64::MAX,
+                active,
+                leaving,
+                probe: false,
+                withdrawn: false,
+            };
+            let target = self
+                .target()
+                .and_then(|slot| self.slots[slot].election.as_ref())
+                .map(Election::id);
+            let mut mails = Vec::new();
+            let lowest = forged(Uuid::nil(), true, false);
+            for user in [None, Some("intruder")] {
+                let mut mail = self.policy.seal(&lowest);
+                mail.user_id = user.map(str::to_owned);
+                mail.signature = None;
+                mails.push(mail);
+            }
+            if let Some(target) = target {
+                let mut mail = self.policy.seal(&forged(target, false, true));
+                mail.user_id = None;
+                mail.signature = None;
+                mails.push(mail);
+            }
+            if self.cfg.secret {
+                // The attacker logs in as the members' user, but has no secret.
+                let mut mail = self.policy.seal(&lowest);
+                mail.signature = Some("ab".repeat(32));
+                mails.push(mail);
+            }
+            for mail in mails {
+                self.send_to_all(Rc::new(mail), None);
+            }
+        }
+        let old = self.now.saturating_sub(ns(REPLAY_AFTER));
+        let ripe = self
+            .captured
+            .iter()
+            .take_while(|(at, _)| *at <= old)
+            .count();
+        if self.cfg.attack.replays() && ripe > 0 {
+            let i = self.attacker_rng.random_range(0..ripe);
+            let mail = self.captured[i].1.clone();
+            self.send_to_all(mail, None);
         }
     }
 
@@ -464,9 +616,9 @@ impl<'a> World<'a> {
         let backlog = std::mem::take(&mut s.backlog);
         self.measures.disrupted(self.now);
         let ttl = ns(self.cfg.member_ttl);
-        for (sent, heard) in backlog {
+        for (sent, mail) in backlog {
             if self.now - sent <= ttl {
-                self.step(slot, sent, heard);
+                self.step(slot, sent, &mail);
             }
         }
         self.tick(slot, inc);

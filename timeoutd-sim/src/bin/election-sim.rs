@@ -5,7 +5,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use timeoutd_sim::net::Links;
-use timeoutd_sim::{Scenario, SimConfig, SimRule};
+use timeoutd_sim::{Attack, Scenario, SimConfig, SimRule};
 
 /// Simulate a group of timeoutd nodes (the real election state machines) over a lossy,
 /// jittery network in virtual time, and print the measures as one JSON line.
@@ -43,6 +43,13 @@ struct Args {
     scenario: Scenario,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// An attacker on the announcement exchange, every 100 ms.
+    #[arg(long, value_enum, default_value_t = Attack::None)]
+    attack: Attack,
+    /// Members prove membership with a group secret (the attacker shares their broker
+    /// user) instead of their own broker user.
+    #[arg(long)]
+    secret: bool,
 }
 
 /// `0.05` or `5%`, between 0 and 1.
@@ -74,6 +81,8 @@ fn main() -> anyhow::Result<()> {
     cfg.old_nodes = args.old_nodes;
     cfg.announcers = args.announcers;
     cfg.duration = Duration::from_secs(args.seconds);
+    cfg.attack = args.attack;
+    cfg.secret = args.secret;
     cfg.links = Links {
         base: args.base_delay,
         jitter: args.jitter,
