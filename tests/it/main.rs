@@ -21,4 +21,5 @@ mod principals;
 mod proxy;
 mod tls;
 mod trust_election;
+mod trust_grants;
 mod unroutable;
