@@ -30,18 +30,22 @@ const LOWEST: &str = "00000000-0000-4000-8000-000000000000";
 
 /// The rights a daemon of `group` needs when its TimeOuts go through the default
 /// exchange (SECURITY.md lists the same): its server-named announcement queue, the
-/// announcement exchange, the group's delay ingress and the delay target.
+/// announcement exchange, the group's delay ingress and the delay target; on the
+/// announcement exchange, its group's routing key alone.
 fn daemon_rights(group: &str) -> Rights {
     let ingress = format!("timeoutd.delay.{group}");
     let own = [ANNOUNCE, ingress.as_str(), "timeoutd.delayed"];
     let gen_and = |extra: &[&str]| names(extra).replacen("^(", "^(amq\\.gen-.*|", 1);
     let mut write = own.to_vec();
     write.push("amq.default");
-    Rights::new(
+    let mut rights = Rights::new(
         &gen_and(&own),
         &gen_and(&write),
         &gen_and(&[ANNOUNCE, ingress.as_str()]),
-    )
+    );
+    let key = names(&[group]);
+    rights.topic.push((ANNOUNCE.to_owned(), key.clone(), key));
+    rights
 }
 
 /// A realm with a daemon user, a world whose daemons log in as it, and an admin URL for
