@@ -43,11 +43,18 @@ async fn invalid_config_exits_2_naming_the_key() {
 async fn check_config_redacts_secrets() {
     let world = World::new().await;
     let url = "amqp://guest:sup3rsecret@127.0.0.1:5672/%2f";
-    let out = timeoutd(&world, &["check-config"], &[("TIMEOUTD__AMQP__URL", url)]);
+    let group_secret = "the-group-secret-0123456789";
+    let env = [
+        ("TIMEOUTD__AMQP__URL", url),
+        ("TIMEOUTD__ELECTION__SECRET", group_secret),
+    ];
+    let out = timeoutd(&world, &["check-config"], &env);
     let shown = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(shown.contains("guest:***@127.0.0.1"), "{shown}");
     assert!(!shown.contains("sup3rsecret"), "{shown}");
+    assert!(shown.contains("secret = \"***\""), "{shown}");
+    assert!(!shown.contains(group_secret), "{shown}");
     assert!(shown.contains(&world.group), "{shown}");
     world.cleanup().await;
 }

@@ -282,8 +282,31 @@ async fn announcements_from_other_broker_users_do_not_count() {
         Duration::from_secs(8),
         Duration::from_millis(400),
     );
-    let (attacker, rows) = tokio::join!(attack, firing);
+    // An operator watching meanwhile, as the daemons' user.
+    let watch = {
+        let env = setup.world.env();
+        tokio::task::spawn_blocking(move || {
+            std::thread::sleep(Duration::from_secs(2));
+            std::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
+                .args(["members", "--once"])
+                .envs(env)
+                .output()
+                .expect("members runs")
+        })
+    };
+    let (attacker, rows, watched) = tokio::join!(attack, firing, watch);
     let _ = attacker.close(200, "OK".into()).await;
+    let watched = watched.expect("members");
+    let shown = String::from_utf8_lossy(&watched.stdout);
+    assert!(watched.status.success(), "{shown}");
+    for p in &procs {
+        assert!(shown.contains(&p.node_id.to_string()), "{shown}");
+    }
+    assert!(
+        !shown.contains(LOWEST),
+        "the forged id is no member: {shown}"
+    );
+    assert!(shown.contains("did not count"), "{shown}");
 
     all_on_time(&inbox, rows, Duration::from_secs(5)).await;
     let after: Vec<f64> = futures_util::future::join_all(procs.iter().map(role_changes)).await;
