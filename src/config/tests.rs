@@ -118,6 +118,7 @@ fn invalid_values_are_refused_naming_the_key() {
         ),
         ("TIMEOUTD__POSTGRES__SCHEMA", "Upper", "postgres.schema"),
         ("TIMEOUTD__ELECTION__GROUP", "", "election.group"),
+        ("TIMEOUTD__ELECTION__SECRET", "too short", "election.secret"),
         ("TIMEOUTD__ELECTION__GROUP", "a.#", "election.group"),
         ("TIMEOUTD__ELECTION__TICK", "0s", "election.tick"),
         ("TIMEOUTD__ELECTION__TICK", "2s", "election.tick"),
@@ -258,6 +259,7 @@ fn redaction_hides_passwords_and_keeps_the_rest() {
             "TIMEOUTD__POSTGRES__URL",
             "postgres://pm:hunter2@db/app?password=x&sslmode=require",
         ),
+        ("TIMEOUTD__ELECTION__SECRET", "group-secret-of-sixteen+"),
     ])
     .expect("valid");
     let shown = format!("{s:?}");
@@ -265,6 +267,8 @@ fn redaction_hides_passwords_and_keeps_the_rest() {
         !shown.contains("s3cret") && !shown.contains("hunter2"),
         "{shown}"
     );
+    assert!(!shown.contains("group-secret"), "{shown}");
+    assert_eq!(s.election.secret.expose(), "group-secret-of-sixteen+");
     assert!(shown.contains("user:***@rabbit"), "{shown}");
     assert!(shown.contains("sslmode=require"), "{shown}");
     assert!(!shown.contains("password=x"), "{shown}");
