@@ -13,13 +13,18 @@ use timeoutd::election::Role;
 
 use crate::common::{Inbox, World, amqp, wait_for, wait_for_async};
 
-/// A world whose delayed messages go to a target exchange of its own.
+/// A world whose delayed messages go to a target exchange of its own, or to any `t.*`.
 pub async fn delayed_world() -> (World, String) {
     let mut world = World::new().await;
     let target = format!("t.delayed.{}", world.group);
     world.overrides.push((
         "TIMEOUTD__DELAY__TARGET_EXCHANGE".to_owned(),
         target.clone(),
+    ));
+    // The other exchanges the tests send to (t.other.<group>, t.missing.<group>).
+    world.overrides.push((
+        "TIMEOUTD__DELAY__ALLOWED_EXCHANGES".to_owned(),
+        "t.*".to_owned(),
     ));
     world.migrate().await;
     (world, target)
@@ -384,7 +389,8 @@ pub async fn count(world: &World, filter: &str) -> i64 {
 /// through the daemon's own insert first, then published as the redelivery would be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivered_message_is_stored_and_delivered_once() {
-    use timeoutd::wire::delayed::{Rules, ingest};
+    use timeoutd::store::Quota;
+    use timeoutd::wire::delayed::ingest;
     use timeoutd::wire::{Message, Properties, Value};
     let (world, target) = delayed_world().await;
     let inbox = Inbox::on_exchange(&target, "#").await;
@@ -401,12 +407,13 @@ async fn a_redelivered_message_is_stored_and_delivered_once() {
         },
         body: b"once".to_vec(),
     };
-    let rules = Rules {
-        target_exchange: target.clone(),
-        max_body: 1 << 20,
-    };
+    let rules = world.settings().delay_rules().expect("rules");
     let stored = store
-        .ingest(&[ingest(first, &rules)], std::time::Duration::from_secs(60))
+        .ingest(
+            &[ingest(first, &rules, Utc::now())],
+            std::time::Duration::from_secs(60),
+            Quota::NONE,
+        )
         .await
         .expect("stored before the crash");
     assert_eq!(stored.stored, 1);
