@@ -66,9 +66,10 @@ impl Judge {
     }
 }
 
-/// A stored batch: the tag that acknowledges it, and the messages to reject first.
+/// A stored batch: the messages to reject, then the tag that acknowledges the rest
+/// (`None`: every one was rejected).
 struct Taken {
-    last: u64,
+    last: Option<u64>,
     reject: Vec<u64>,
 }
 
@@ -242,12 +243,12 @@ async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
 
 /// Store one batch: the delivery tag that acknowledges it, once stored (never tag 0,
 /// which with `multiple` would acknowledge every delivery), and those of the messages
-/// over their owner's quota.
+/// over their owner's quota, to reject.
 async fn take_in(ctx: &Intake, batch: Vec<Arrived>, judge: &Judge) -> Result<Option<Taken>, Ended> {
     let arrived = Instant::now();
-    let Some(last) = batch.last().map(|a| a.tag) else {
+    if batch.is_empty() {
         return Ok(None);
-    };
+    }
     let now = chrono::Utc::now();
     let tags: Vec<u64> = batch.iter().map(|a| a.tag).collect();
     let items: Vec<Ingest> = batch
@@ -282,11 +283,14 @@ async fn take_in(ctx: &Intake, batch: Vec<Arrived>, judge: &Judge) -> Result<Opt
          delay.max_bytes_per_owner rejected to the broker (dead-lettered if the ingress \
          queue has a dead-letter policy, else dropped)",
     );
-    let reject = outcome
+    let reject: Vec<u64> = outcome
         .over_quota
         .iter()
         .filter_map(|i| tags.get(*i).copied())
         .collect();
+    // A rejected tag is no longer the channel's to acknowledge: acknowledging it (even
+    // as `multiple`'s upper end) would close the channel and return every delivery.
+    let last = tags.iter().rev().copied().find(|t| !reject.contains(t));
     Ok(Some(Taken { last, reject }))
 }
 
@@ -304,7 +308,10 @@ async fn settle(ingress: &Ingress, taken: Taken) -> Result<(), Ended> {
     for tag in taken.reject {
         ingress.reject(tag).await.map_err(lost)?;
     }
-    ingress.ack_up_to(taken.last).await.map_err(lost)
+    match taken.last {
+        Some(last) => ingress.ack_up_to(last).await.map_err(lost),
+        None => Ok(()),
+    }
 }
 
 /// Store a batch, retrying while the database is away for up to `election.member_ttl`

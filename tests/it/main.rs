@@ -20,4 +20,5 @@ mod on_time;
 mod principals;
 mod proxy;
 mod tls;
+mod trust_delay;
 mod unroutable;
