@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
+use sqlx::types::Json;
 use uuid::Uuid;
 
 use serde::Serialize;
@@ -243,7 +244,6 @@ const FOLD_AT: i64 = 32;
 #[derive(Debug, Clone)]
 pub(super) struct Statements {
     order: Arc<str>,
-    usage: Arc<str>,
     fold: Arc<str>,
     insert: Arc<str>,
     cancel_remembered: Arc<str>,
@@ -275,20 +275,21 @@ impl Statements {
             // exclusive on the buckets of the batch's cancels, shared on those of its
             // messages, so a cancel and the message it names, stored by two nodes at
             // once, never both miss each other (see migration 0006). A bucket is a hash
-            // of owner and message_id: the pair a cancel names.
+            // of owner and message_id: the pair a cancel names. In the same round trip,
+            // what the owners in $4 have stored, and in how many ledger rows: two
+            // uncorrelated subqueries of one row, both evaluated (a lock call's result is
+            // counted, so the planner cannot drop it).
             order: format!(
-                "SELECT s.b, CASE WHEN s.cancel THEN pg_advisory_xact_lock({space}, s.b) \
-                 ELSE pg_advisory_xact_lock_shared({space}, s.b) END::text \
+                "SELECT (SELECT count(l.locked) FROM (SELECT CASE WHEN s.cancel \
+                 THEN pg_advisory_xact_lock({space}, s.b) \
+                 ELSE pg_advisory_xact_lock_shared({space}, s.b) END::text AS locked \
                  FROM (SELECT (hashtextextended(i.message_id, hashtext(i.owner)) & {mask})::int AS b, \
                  bool_or(i.cancel) AS cancel \
                  FROM unnest($1::text[], $2::text[], $3::bool[]) AS i(owner, message_id, cancel) \
-                 GROUP BY 1 ORDER BY 1) AS s"
-            )
-            .into(),
-            // What the batch's owners have stored, and how many ledger rows say so.
-            usage: format!(
-                "SELECT owner, sum(messages)::int8, sum(bytes)::int8, count(*) \
-                 FROM {u} WHERE owner = ANY($1) GROUP BY owner"
+                 GROUP BY 1 ORDER BY 1) AS s) AS l), \
+                 (SELECT coalesce(json_agg(json_build_array(x.owner, x.messages, x.bytes, x.rows)), '[]') \
+                 FROM (SELECT owner, sum(messages)::int8 AS messages, sum(bytes)::int8 AS bytes, \
+                 count(*) AS rows FROM {u} WHERE owner = ANY($4) GROUP BY owner) AS x)"
             )
             .into(),
             // Folds the owners' ledger rows into one each; rows another fold holds are
@@ -356,6 +357,9 @@ impl Statements {
     }
 }
 
+/// What one owner has stored: owner, messages, bytes, and the ledger rows saying so.
+type Usage = (String, i64, i64, i64);
+
 /// Bytes a stored message counts against its owner's quota, as the ingest estimates them
 /// (the ledger counts them as Postgres stores them: near enough).
 fn footprint(s: &Stored) -> u64 {
@@ -378,8 +382,8 @@ impl Store {
     ) -> Result<IngestOutcome, StoreError> {
         let mut out = IngestOutcome::default();
         let mut tx = self.begin().await?;
-        self.order(&mut tx, batch).await?;
-        let admitted = self.admit(&mut tx, batch, quota, &mut out).await?;
+        let usage = self.order(&mut tx, batch, quota).await?;
+        let admitted = self.admit(&mut tx, batch, quota, usage, &mut out).await?;
         let mut offset = 0;
         for run in
             batch.chunk_by(|a, b| matches!(a, Ingest::Store(_)) == matches!(b, Ingest::Store(_)))
@@ -397,8 +401,14 @@ impl Store {
         Ok(out)
     }
 
-    /// Take the batch's bucket locks (see `Statements::order`).
-    async fn order(&self, tx: &mut PgConnection, batch: &[Ingest]) -> Result<(), StoreError> {
+    /// Take the batch's bucket locks (see `Statements::order`), and read what the owners
+    /// of its messages have stored (none without a quota to check).
+    async fn order(
+        &self,
+        tx: &mut PgConnection,
+        batch: &[Ingest],
+        quota: Quota,
+    ) -> Result<Vec<Usage>, StoreError> {
         let mut owners = Vec::with_capacity(batch.len());
         let mut ids = Vec::with_capacity(batch.len());
         let mut cancels = Vec::with_capacity(batch.len());
@@ -408,13 +418,26 @@ impl Store {
             ids.push(id);
             cancels.push(matches!(item, Ingest::Cancel { .. }));
         }
-        sqlx::query(safe(&self.sql.delayed.order))
+        let mut storing: Vec<&str> = Vec::new();
+        if quota != Quota::NONE {
+            storing = batch
+                .iter()
+                .filter_map(|i| match i {
+                    Ingest::Store(s) => Some(s.owner.as_str()),
+                    Ingest::Cancel { .. } => None,
+                })
+                .collect();
+            storing.sort_unstable();
+            storing.dedup();
+        }
+        let (_, usage): (i64, Json<Vec<Usage>>) = sqlx::query_as(safe(&self.sql.delayed.order))
             .bind(owners)
             .bind(ids)
             .bind(cancels)
-            .fetch_all(tx)
+            .bind(storing)
+            .fetch_one(tx)
             .await?;
-        Ok(())
+        Ok(usage.0)
     }
 
     /// Which messages of the batch their owners have room for, in arrival order (the
@@ -424,32 +447,17 @@ impl Store {
         tx: &mut PgConnection,
         batch: &[Ingest],
         quota: Quota,
+        usage: Vec<Usage>,
         out: &mut IngestOutcome,
     ) -> Result<Vec<bool>, StoreError> {
         let mut admitted = vec![true; batch.len()];
         if quota == Quota::NONE {
             return Ok(admitted);
         }
-        let mut owners: Vec<&str> = batch
+        let long: Vec<&str> = usage
             .iter()
-            .filter_map(|i| match i {
-                Ingest::Store(s) => Some(s.owner.as_str()),
-                Ingest::Cancel { .. } => None,
-            })
-            .collect();
-        owners.sort_unstable();
-        owners.dedup();
-        if owners.is_empty() {
-            return Ok(admitted);
-        }
-        let rows: Vec<(String, i64, i64, i64)> = sqlx::query_as(safe(&self.sql.delayed.usage))
-            .bind(&owners)
-            .fetch_all(&mut *tx)
-            .await?;
-        let long: Vec<&str> = rows
-            .iter()
-            .filter(|r| r.3 > FOLD_AT)
-            .map(|r| r.0.as_str())
+            .filter(|u| u.3 > FOLD_AT)
+            .map(|u| u.0.as_str())
             .collect();
         if !long.is_empty() {
             sqlx::query(safe(&self.sql.delayed.fold))
@@ -457,7 +465,7 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
         }
-        let mut used: HashMap<&str, (u64, u64)> = rows
+        let mut used: HashMap<&str, (u64, u64)> = usage
             .iter()
             .map(|(o, m, b, _)| {
                 (

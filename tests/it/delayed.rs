@@ -373,6 +373,21 @@ async fn cancel_by_sql_cli_and_message() {
     world.cleanup().await;
 }
 
+/// Owners whose stored messages the usage ledger (migration 0007) counts wrongly.
+pub async fn usage_drift(world: &World) -> i64 {
+    let sql = format!(
+        "SELECT count(*) FROM (SELECT owner, sum(messages) AS n FROM {s}.delayed_usage \
+         GROUP BY owner) AS u FULL JOIN (SELECT owner, count(*) AS n \
+         FROM {s}.delayed_messages GROUP BY owner) AS m USING (owner) \
+         WHERE coalesce(u.n, 0) <> coalesce(m.n, 0)",
+        s = world.schema
+    );
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .fetch_one(&world.pool)
+        .await
+        .expect("usage")
+}
+
 pub async fn count(world: &World, filter: &str) -> i64 {
     let sql = format!(
         "SELECT count(*) FROM {}.delayed_messages WHERE {filter}",
@@ -542,6 +557,12 @@ async fn cancel_messages_are_exact_with_three_consuming_nodes() {
         );
     }
     assert_eq!(count(&world, "true").await, 0, "nothing left pending");
+    // Three nodes stored, cancelled, folded and fired concurrently: the ledger still adds up.
+    assert_eq!(
+        usage_drift(&world).await,
+        0,
+        "usage ledger agrees with the table"
+    );
     let remembered: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT count(*) FROM {}.delayed_cancels WHERE expires_at > now()",
         world.schema

@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use timeoutd::election::Role;
 
 use crate::common::{World, wait_for, wait_for_async};
-use crate::delayed::{count, headers};
+use crate::delayed::{count, headers, usage_drift};
 use crate::http::get;
 use crate::principals::{Realm, Rights};
 
@@ -744,17 +744,11 @@ async fn what_one_publisher_can_store_is_bounded() {
         expected.len() as f64,
         "{text}"
     );
-    // The usage the triggers keep agrees with the table.
-    let drift: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM (SELECT owner, sum(messages) AS n FROM {s}.delayed_usage GROUP BY owner) u \
-         FULL JOIN (SELECT owner, count(*) AS n FROM {s}.delayed_messages GROUP BY owner) m USING (owner) \
-         WHERE coalesce(u.n, 0) <> coalesce(m.n, 0)",
-        s = stage.world.schema
-    )))
-    .fetch_one(&stage.world.pool)
-    .await
-    .expect("drift");
-    assert_eq!(drift, 0, "usage ledger agrees with the table");
+    assert_eq!(
+        usage_drift(&stage.world).await,
+        0,
+        "usage ledger agrees with the table"
+    );
     node.stop().await;
     stage.cleanup().await;
 }
