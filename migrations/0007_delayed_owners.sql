@@ -37,8 +37,12 @@ CREATE TABLE IF NOT EXISTS delayed_usage (
     bytes     bigint NOT NULL
 );
 
+-- Without deduplication: the entries of one owner would share posting lists, which a
+-- scan can mark dead only once every row in them is dead, so usage reads would walk the
+-- rows folds deleted until the next vacuum; one entry per row is marked dead by the
+-- first read that finds its row gone.
 CREATE INDEX IF NOT EXISTS delayed_usage_owner_idx
-    ON delayed_usage (owner) INCLUDE (messages, bytes);
+    ON delayed_usage (owner) INCLUDE (messages, bytes) WITH (deduplicate_items = off);
 
 -- SET search_path: the ledger is this schema's, whatever the session deleting a row
 -- (a process manager's cancel) has on its own search_path.

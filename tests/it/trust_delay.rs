@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use timeoutd::election::Role;
 
 use crate::common::{World, wait_for, wait_for_async};
-use crate::delayed::{count, headers, usage_drift};
+use crate::delayed::{count, headers, publish, usage_drift};
 use crate::http::get;
 use crate::principals::{Realm, Rights};
 
@@ -43,11 +43,19 @@ struct Stage {
 }
 
 impl Stage {
-    async fn new(overrides: &[(&str, &str)]) -> Self {
+    /// With `minimal`, the daemon's user has only the rights the README's Security notes
+    /// give it for delayed messages (and the election); otherwise everything in the vhost,
+    /// so that only timeoutd's own rule stands between a publisher and other exchanges.
+    async fn new(minimal: bool, overrides: &[(&str, &str)]) -> Self {
         let mut realm = Realm::new().await;
-        let daemon = realm.user("daemon", &Rights::all()).await;
-        let admin = realm.user("admin", &Rights::all()).await;
         let mut world = World::new().await;
+        let rights = if minimal {
+            daemon_rights(&world.ingress())
+        } else {
+            Rights::all()
+        };
+        let daemon = realm.user("daemon", &rights).await;
+        let admin = realm.user("admin", &Rights::all()).await;
         for (k, v) in [
             ("TIMEOUTD__AMQP__URL", daemon.as_str()),
             ("TIMEOUTD__DELAY__TARGET_EXCHANGE", TARGET),
@@ -90,6 +98,26 @@ impl Stage {
         self.realm.cleanup().await;
     }
 }
+
+/// What the daemon's broker user needs for delayed messages and the election: declare
+/// (configure) the ingress exchange and queue, the target exchange, the announcement
+/// exchange and its own server-named queue; bind and consume them (write on the
+/// queues, read on the exchanges and queues); publish (write) to the target and the
+/// allowed exchanges and announcements. Nothing else: no other exchange, no `amq.*`
+/// exchange but its own `amq.gen-*` queue.
+fn daemon_rights(ingress: &str) -> Rights {
+    let ingress = regex_escape(ingress);
+    let target = regex_escape(TARGET);
+    let own = format!("{ingress}|timeoutd\\.announcements|amq\\.gen-.*");
+    Rights::new(
+        &format!("^({own}|{target})$"),
+        &format!("^({own}|{target}|allowed\\..*)$"),
+        &format!("^({own})$"),
+    )
+}
+
+/// Per message id: when its publish started, and its delay in milliseconds.
+type Sent = HashMap<String, (DateTime<Utc>, i64)>;
 
 fn user_of(url: &str) -> String {
     url::Url::parse(url).expect("url").username().to_owned()
@@ -208,22 +236,6 @@ async fn connect(url: &str) -> (Connection, Channel) {
     (conn, ch)
 }
 
-async fn send(ch: &Channel, exchange: &str, key: &str, props: BasicProperties, body: &[u8]) {
-    let confirm = ch
-        .basic_publish(
-            exchange.into(),
-            key.into(),
-            BasicPublishOptions::default(),
-            body,
-            props,
-        )
-        .await
-        .expect("publish")
-        .await
-        .expect("confirm");
-    assert!(confirm.is_ack(), "the broker took it");
-}
-
 fn text(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))
 }
@@ -253,7 +265,7 @@ fn ingested(text: &str, result: &str) -> f64 {
 /// sent and not retried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_only_publisher_cannot_use_the_daemons_rights() {
-    let mut stage = Stage::new(&[]).await;
+    let mut stage = Stage::new(false, &[]).await;
     let (attacker, attacker_url) = stage.publisher("attacker").await;
     let group = &stage.world.group;
     let other_ingress = format!("timeoutd.delay.other-{group}");
@@ -329,7 +341,7 @@ async fn a_write_only_publisher_cannot_use_the_daemons_rights() {
                     .with_message_id(id.as_str().into())
                     .with_user_id(attacker.as_str().into())
                     .with_headers(headers(h));
-                send(&ch, &ingress, &key, props, id.as_bytes()).await;
+                publish(&ch, &ingress, &key, props, id.as_bytes()).await;
             }
         }));
     }
@@ -378,11 +390,11 @@ async fn a_write_only_publisher_cannot_use_the_daemons_rights() {
         "{}",
         old.1
     );
-    let text = metrics(&node).await;
+    let seen = metrics(&node).await;
     assert_eq!(
-        ingested(&text, "held_not_allowed"),
+        ingested(&seen, "held_not_allowed"),
         (held - 1) as f64,
-        "{text}"
+        "{seen}"
     );
     let reached: Vec<String> = victims
         .ids()
@@ -418,16 +430,12 @@ async fn a_write_only_publisher_cannot_use_the_daemons_rights() {
         let get = |k: &str| h.inner().get(k).cloned();
         assert_eq!(
             get("x-timeoutd-node"),
-            Some(text_of(&node.node_id.to_string()))
+            Some(text(&node.node_id.to_string()))
         );
-        assert_eq!(get("x-timeoutd-user-id"), Some(text_of(&attacker)));
+        assert_eq!(get("x-timeoutd-user-id"), Some(text(&attacker)));
     }
     node.stop().await;
     stage.cleanup().await;
-}
-
-fn text_of(s: &str) -> AMQPValue {
-    text(s)
 }
 
 /// A publisher owns its ids: another publisher (anonymous, or with its own user) that
@@ -437,7 +445,7 @@ fn text_of(s: &str) -> AMQPValue {
 /// (the broker refuses a `user_id` that is not the connection's own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
-    let mut stage = Stage::new(&[]).await;
+    let mut stage = Stage::new(false, &[]).await;
     let (victim, victim_url) = stage.publisher("victim").await;
     let (attacker, attacker_url) = stage.publisher("attacker").await;
     let inbox = Tap::new(&stage.admin, "inbox").await;
@@ -490,9 +498,9 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
         for (i, id) in ids.iter().enumerate() {
             for user in [None, Some(attacker.as_str())] {
                 if i % 2 == 0 {
-                    send(&ch, &ingress, "k", preempt(id, user), b"attacker").await;
+                    publish(&ch, &ingress, "k", preempt(id, user), b"attacker").await;
                 } else {
-                    send(&ch, &ingress, "k", cancel(id, user), b"").await;
+                    publish(&ch, &ingress, "k", cancel(id, user), b"").await;
                 }
             }
         }
@@ -505,8 +513,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     // connection at the same time.
     let seed: u64 = rand::random();
     println!("seed {seed}");
-    // Per id: when its publish started, and its delay.
-    let due: Arc<Mutex<HashMap<String, (DateTime<Utc>, i64)>>> = Arc::default();
+    let due: Arc<Mutex<Sent>> = Arc::default();
     let victim_task = {
         let (ids, ingress, due, victim) =
             (ids.clone(), ingress.clone(), due.clone(), victim.clone());
@@ -520,7 +527,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
                     .with_user_id(victim.as_str().into())
                     .with_headers(headers(vec![("x-delay", AMQPValue::LongLongInt(delay))]));
                 let sent = Utc::now();
-                send(&ch, &ingress, "k", props, b"victim").await;
+                publish(&ch, &ingress, "k", props, b"victim").await;
                 due.lock().expect("lock").insert(id, (sent, delay));
             }
         })
@@ -532,7 +539,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
             for _ in 0..3 {
                 for id in &ids {
                     for user in [None, Some(attacker.as_str())] {
-                        send(&ch, &ingress, "k", cancel(id, user), b"").await;
+                        publish(&ch, &ingress, "k", cancel(id, user), b"").await;
                     }
                 }
             }
@@ -604,17 +611,21 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
 /// and metric: a body over `delay.max_body` is held without it, a delay over
 /// `delay.max_delay` is held, and messages beyond the owner's quota of messages or bytes
 /// are rejected to the broker, which dead-letters them here (the operator's policy on
-/// the ingress queue). Another owner is not affected by the first one's quota.
+/// the ingress queue). Another owner is not affected by the first one's quota. The
+/// daemon runs with the minimal broker rights documented for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_one_publisher_can_store_is_bounded() {
-    let mut stage = Stage::new(&[
-        ("TIMEOUTD__DELAY__MAX_BODY", "1KiB"),
-        ("TIMEOUTD__DELAY__MAX_DELAY", "15m"),
-        ("TIMEOUTD__DELAY__MAX_PENDING_PER_OWNER", "5"),
-        ("TIMEOUTD__DELAY__MAX_BYTES_PER_OWNER", "4KiB"),
-        // One batch at a time: each reads the usage the one before committed.
-        ("TIMEOUTD__DELAY__INGEST_CONCURRENCY", "1"),
-    ])
+    let mut stage = Stage::new(
+        true,
+        &[
+            ("TIMEOUTD__DELAY__MAX_BODY", "1KiB"),
+            ("TIMEOUTD__DELAY__MAX_DELAY", "15m"),
+            ("TIMEOUTD__DELAY__MAX_PENDING_PER_OWNER", "5"),
+            ("TIMEOUTD__DELAY__MAX_BYTES_PER_OWNER", "4KiB"),
+            // One batch at a time: each reads the usage the one before committed.
+            ("TIMEOUTD__DELAY__INGEST_CONCURRENCY", "1"),
+        ],
+    )
     .await;
     let (flooder, flooder_url) = stage.publisher("flooder").await;
     let (heavy, heavy_url) = stage.publisher("heavy").await;
@@ -642,7 +653,7 @@ async fn what_one_publisher_can_store_is_bounded() {
                 .with_message_id(id.into())
                 .with_user_id(flooder.as_str().into())
         };
-        send(
+        publish(
             &ch,
             &ingress,
             "k",
@@ -651,10 +662,10 @@ async fn what_one_publisher_can_store_is_bounded() {
         )
         .await;
         let far = headers(vec![("x-delay", AMQPValue::LongLongInt(3_600_000))]);
-        send(&ch, &ingress, "k", props("far").with_headers(far), b"x").await;
+        publish(&ch, &ingress, "k", props("far").with_headers(far), b"x").await;
         for i in 0..6 {
             let id = format!("flood-{i}");
-            send(&ch, &ingress, "k", props(&id).with_headers(later()), b"x").await;
+            publish(&ch, &ingress, "k", props(&id).with_headers(later()), b"x").await;
         }
     }
     {
@@ -664,7 +675,7 @@ async fn what_one_publisher_can_store_is_bounded() {
                 .with_message_id(format!("heavy-{i}").into())
                 .with_user_id(heavy.as_str().into())
                 .with_headers(later());
-            send(&ch, &ingress, "k", props, &[b'y'; 1000]).await;
+            publish(&ch, &ingress, "k", props, &[b'y'; 1000]).await;
         }
     }
     {
@@ -672,7 +683,7 @@ async fn what_one_publisher_can_store_is_bounded() {
         let props = BasicProperties::default()
             .with_message_id("unaffected".into())
             .with_user_id(other.as_str().into());
-        send(&ch, &ingress, "k", props, b"fine").await;
+        publish(&ch, &ingress, "k", props, b"fine").await;
     }
     wait_for(Duration::from_secs(30), "the other owner's message", || {
         inbox.ids() == ["unaffected"]
