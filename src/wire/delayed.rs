@@ -19,11 +19,13 @@ pub const DELAY_HEADER: &str = "x-delay";
 pub const DELIVER_AT_HEADER: &str = "x-timeoutd-deliver-at";
 /// The exchange to deliver to, instead of `delay.target_exchange`.
 pub const EXCHANGE_HEADER: &str = "x-timeoutd-exchange";
-/// A message carrying this header cancels the pending message with that `message_id`.
+/// A message carrying this header cancels its owner's pending message with that
+/// `message_id`.
 pub const CANCEL_HEADER: &str = "x-timeoutd-cancel";
 /// How long the message was held, in milliseconds (added at delivery).
 pub const DELAYED_MS_HEADER: &str = "x-timeoutd-delayed-ms";
-/// The publisher's `user_id`, which cannot be published again as a property.
+/// The message's owner: the `user_id` it was published with (the broker checked it),
+/// which cannot be published again as a property.
 pub const USER_ID_HEADER: &str = "x-timeoutd-user-id";
 /// Headers of ours, removed from what the publisher sent, in any letter case.
 const OURS: &str = "x-timeoutd-";
