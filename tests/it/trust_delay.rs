@@ -447,6 +447,7 @@ async fn a_write_only_publisher_cannot_use_the_daemons_rights() {
 async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     let mut stage = Stage::new(false, &[]).await;
     let (victim, victim_url) = stage.publisher("victim").await;
+    let victim_later = victim_url.clone();
     let (attacker, attacker_url) = stage.publisher("attacker").await;
     let inbox = Tap::new(&stage.admin, "inbox").await;
     inbox.bind(TARGET, "#").await;
@@ -575,11 +576,14 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     for id in &ids {
         assert_eq!(seen.get(id), Some(&1), "{id} arrived once");
     }
-    assert_eq!(
-        count(&stage.world, &format!("owner = '{victim}'")).await,
-        0,
-        "every victim message delivered, none left"
-    );
+    // Received before its batch commits the delete.
+    let victims = format!("owner = '{victim}'");
+    wait_for_async(
+        Duration::from_secs(30),
+        "every victim row deleted",
+        || async { count(&stage.world, &victims).await == 0 },
+    )
+    .await;
     for d in inbox.all() {
         let at = d.at;
         let id = d
@@ -603,6 +607,26 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
             "{id} early"
         );
     }
+    // An operator's cancel names the owner too: by another owner, it is not pending.
+    {
+        let (_conn, ch) = connect(&victim_later).await;
+        let props = BasicProperties::default()
+            .with_message_id("by-cli".into())
+            .with_user_id(victim.as_str().into())
+            .with_headers(headers(vec![("x-delay", AMQPValue::LongLongInt(600_000))]));
+        publish(&ch, &ingress, "k", props, b"victim").await;
+    }
+    wait_for_async(Duration::from_secs(30), "by-cli stored", || async {
+        count(&stage.world, "message_id = 'by-cli'").await == 1
+    })
+    .await;
+    let cancel = |owner: &str| {
+        let args = ["cancel", "--message-id", "by-cli", "--owner", owner];
+        crate::cli::timeoutd(&stage.world, &args, &[]).status.code()
+    };
+    assert_eq!(cancel(""), Some(4), "not the anonymous owner's");
+    assert_eq!(cancel(&attacker), Some(4), "not the attacker's");
+    assert_eq!(cancel(&victim), Some(0), "the victim's");
     node.stop().await;
     stage.cleanup().await;
 }
