@@ -35,7 +35,7 @@ pub enum Command {
     Members(MembersArgs),
     /// Count and peek at expectations and delayed messages (never changes them).
     Pending(PendingArgs),
-    /// Cancel a pending delayed message by its message_id (exit 4: not pending).
+    /// Cancel a pending delayed message by its owner and message_id (exit 4: not pending).
     Cancel(CancelArgs),
 }
 
@@ -44,6 +44,10 @@ pub struct CancelArgs {
     /// The message_id the delayed message was published with (or was given at ingest).
     #[arg(long)]
     pub message_id: String,
+    /// Its owner: the AMQP user_id it was published with ("" = anonymous, published
+    /// without one).
+    #[arg(long, default_value = "")]
+    pub owner: String,
 }
 
 #[derive(Debug, Args)]

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::election::{Rule, Timing};
+use crate::wire::delayed::{DestinationError, Destinations, Names, Rules};
 
 mod secret_url;
 use secret_url::redact_url;
@@ -65,6 +66,11 @@ pub struct Delay {
     pub exchange: String,
     /// Where a message goes when it names no exchange of its own.
     pub target_exchange: String,
+    /// Exchanges (names or glob patterns) a message may name besides `target_exchange`;
+    /// some are refused whatever is listed (see `wire::delayed::Destinations`). A list
+    /// in TOML, a comma-separated string in the environment.
+    #[serde(deserialize_with = "names")]
+    pub allowed_exchanges: Vec<String>,
     /// Unacknowledged messages a node holds at once.
     pub prefetch: u16,
     /// Ingest transactions a node runs at once; each inserts at most
@@ -75,8 +81,17 @@ pub struct Delay {
     /// transactions when messages arrive faster than one commits.
     #[serde(with = "humantime_serde")]
     pub ingest_linger: Duration,
-    /// Larger bodies are kept, held as failing, never delivered.
+    /// Larger bodies are not stored: the message is kept held without its body.
     pub max_body: bytesize::ByteSize,
+    /// A message due later than this after its arrival is held, never delivered.
+    #[serde(with = "humantime_serde")]
+    pub max_delay: Duration,
+    /// Messages one owner (AMQP `user_id`, or anonymous) may have stored at once;
+    /// more are rejected to the broker.
+    pub max_pending_per_owner: u64,
+    /// Bytes (bodies and properties) one owner may have stored at once; more are
+    /// rejected to the broker.
+    pub max_bytes_per_owner: bytesize::ByteSize,
     /// How long a cancel message is remembered: its message arriving later (through
     /// another node, or redelivered) is dropped as cancelled.
     #[serde(with = "humantime_serde")]
@@ -208,6 +223,26 @@ pub struct Log {
 pub struct Shutdown {
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
+}
+
+/// A list of names, or one string of comma-separated names (how the environment can
+/// give a list).
+fn names<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Names {
+        List(Vec<String>),
+        Joined(String),
+    }
+    let names = match Names::deserialize(d)? {
+        Names::List(l) => l,
+        Names::Joined(s) => s.split(',').map(str::to_owned).collect(),
+    };
+    Ok(names
+        .into_iter()
+        .map(|n| n.trim().to_owned())
+        .filter(|n| !n.is_empty())
+        .collect())
 }
 
 /// `""` means "not set" for optional durations, so the default file can list the key.
@@ -343,6 +378,25 @@ impl Settings {
                 "must be a name of our own (not amq.*)",
             ));
         }
+        self.delay_destinations()?;
+        if self.delay.max_delay.is_zero() || self.delay.max_delay > MAX_MAX_DELAY {
+            return Err(ConfigError::invalid(
+                "delay.max_delay",
+                "must be greater than 0s and at most 100 years",
+            ));
+        }
+        if self.delay.max_pending_per_owner == 0 {
+            return Err(ConfigError::invalid(
+                "delay.max_pending_per_owner",
+                "must be at least 1",
+            ));
+        }
+        if self.delay.max_bytes_per_owner.as_u64() < self.delay.max_body.as_u64() {
+            return Err(ConfigError::invalid(
+                "delay.max_bytes_per_owner",
+                "must be at least delay.max_body (one message must fit)",
+            ));
+        }
         if self.delay.prefetch == 0 {
             return Err(ConfigError::invalid("delay.prefetch", "must be 1 to 65535"));
         }
@@ -371,6 +425,34 @@ impl Settings {
             ));
         }
         Ok(())
+    }
+
+    /// Where delayed messages may go (the rule, built from `delay.*` and
+    /// `amqp.announce_exchange`); refused when `delay.target_exchange` is one of the
+    /// exchanges never allowed, or a pattern is not one.
+    pub fn delay_destinations(&self) -> Result<Destinations, ConfigError> {
+        Destinations::new(Names {
+            target: &self.delay.target_exchange,
+            allowed: &self.delay.allowed_exchanges,
+            announce: &self.amqp.announce_exchange,
+            ingress_template: &self.delay.exchange,
+            ingress: &self.delay_exchange(),
+        })
+        .map_err(|e| match e {
+            DestinationError::Target(why) => ConfigError::invalid("delay.target_exchange", why),
+            e @ DestinationError::Pattern { .. } => {
+                ConfigError::invalid("delay.allowed_exchanges", e.to_string())
+            }
+        })
+    }
+
+    /// What an arriving delayed message is judged by.
+    pub fn delay_rules(&self) -> Result<Rules, ConfigError> {
+        Ok(Rules {
+            destinations: self.delay_destinations()?,
+            max_body: usize::try_from(self.delay.max_body.as_u64()).unwrap_or(usize::MAX),
+            max_delay: self.delay.max_delay,
+        })
     }
 
     /// `delay.exchange` with `{group}` replaced: the ingress exchange and queue name.
@@ -570,6 +652,8 @@ fn check_ca_file(key: &str, path: Option<&Path>) -> Result<(), ConfigError> {
 
 /// Shorter group secrets are guessable; 32 random bytes in hex or base64 are plenty.
 const MIN_SECRET: usize = 16;
+/// Longer delays overflow no timestamp but are a publisher's mistake.
+const MAX_MAX_DELAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// A year and a day: longer would only keep forgotten cancels.
 const MAX_CANCEL_TTL: Duration = Duration::from_secs(366 * 24 * 3600);
 /// More parallel inserts than this only compete for the database's cores and the pool.

@@ -30,6 +30,7 @@ use crate::election::Lease;
 use crate::health::{Check, Health};
 use crate::store::{Failure, Fired, Settlement, Store, StoreError, Table, Window, bounded};
 use crate::wire::Message;
+use crate::wire::delayed::Destinations;
 
 pub mod kind;
 pub mod slots;
@@ -141,6 +142,8 @@ pub struct Scanner {
     pub confirm_timeout: Duration,
     /// Client-side bound on a database step (`statement_timeout` + `connect_timeout`).
     pub db_bound: Duration,
+    /// Where delayed messages may go, judged again before each is sent.
+    destinations: Destinations,
     /// Where database steps under way are reported (a hung one withdraws the node).
     health: Arc<Health>,
     memory: Mutex<Memory>,
@@ -169,6 +172,10 @@ impl Scanner {
             budget: settings.batch_budget(),
             confirm_timeout: settings.amqp.confirm_timeout,
             db_bound: settings.db_bound(),
+            destinations: settings.delay_destinations().unwrap_or_else(|e| {
+                tracing::error!(error = %e, "delayed messages will be held, not delivered");
+                Destinations::nowhere()
+            }),
             health,
             memory: Mutex::new(Memory::default()),
         }
@@ -545,7 +552,8 @@ impl Scanner {
         let failure = Failure {
             id: row.id(),
             error: error.to_string(),
-            delay: backoff::exponential(self.retry_min, self.retry_max, attempts),
+            delay: (!error.holds())
+                .then(|| backoff::exponential(self.retry_min, self.retry_max, attempts)),
         };
         (failure, error.reason())
     }
@@ -579,7 +587,7 @@ impl Scanner {
                 max: self.max_message_size,
             });
         }
-        K::message(row, self.node_id).map_err(|e| PublishError::Invalid(e.0))
+        K::message(row, self.node_id, &self.destinations)
     }
 }
 

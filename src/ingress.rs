@@ -6,7 +6,8 @@
 //! them back to the queue (for nodes that can store them) and stops consuming until
 //! Postgres answers again.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -20,8 +21,8 @@ use crate::bus::{Arrived, Bus, BusError, Ingress, IngressSpec};
 use crate::config::Settings;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{IngressStatus, Probe};
-use crate::store::{Ingest, IngestOutcome, Store, StoreError, Stored, bounded};
-use crate::telemetry::Chain;
+use crate::store::{Bound, Held, Ingest, IngestOutcome, Quota, Store, StoreError, Stored, bounded};
+use crate::telemetry::{Chain, LogLimiter};
 use crate::wire::delayed::{self, Rules};
 
 /// Closing the ingress channel is a courtesy (closing the connection returns the
@@ -35,6 +36,41 @@ pub(crate) struct Intake {
     pub(crate) bus: watch::Receiver<Option<Arc<Bus>>>,
     pub(crate) probe: Arc<Probe>,
     pub(crate) stop: CancellationToken,
+}
+
+/// What arriving messages are judged by, and the log lines about them (one per kind
+/// of result per [`LOG_EVERY`]: a flood of bad messages must not flood the log).
+struct Judge {
+    rules: Rules,
+    quota: Quota,
+    logs: Mutex<HashMap<&'static str, LogLimiter>>,
+}
+
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+impl Judge {
+    /// One warning about `n` messages with result `result`, unless one was logged less
+    /// than [`LOG_EVERY`] ago.
+    fn warn(&self, result: &'static str, n: u64, what: &str) {
+        if n == 0 {
+            return;
+        }
+        // Bookkeeping only: a panicking holder left nothing half-done.
+        let mut logs = self.logs.lock().unwrap_or_else(|e| e.into_inner());
+        let limiter = logs
+            .entry(result)
+            .or_insert_with(|| LogLimiter::new(LOG_EVERY));
+        if let Some(suppressed) = limiter.allow(Instant::now()) {
+            tracing::warn!(result, n, suppressed_logs = suppressed, "{what}");
+        }
+    }
+}
+
+/// A stored batch: the messages to reject, then the tag that acknowledges the rest
+/// (`None`: every one was rejected).
+struct Taken {
+    last: Option<u64>,
+    reject: Vec<u64>,
 }
 
 /// Why consuming ended.
@@ -55,10 +91,23 @@ impl Intake {
         }
     }
 
-    fn rules(&self) -> Rules {
-        Rules {
-            target_exchange: self.settings.delay.target_exchange.clone(),
-            max_body: usize::try_from(self.settings.delay.max_body.as_u64()).unwrap_or(usize::MAX),
+    fn judge(&self) -> Judge {
+        let delay = &self.settings.delay;
+        let rules = self.settings.delay_rules().unwrap_or_else(|e| {
+            tracing::error!(error = %e, "delayed messages will be stored held");
+            Rules {
+                destinations: delayed::Destinations::nowhere(),
+                max_body: 0,
+                max_delay: Duration::ZERO,
+            }
+        });
+        Judge {
+            rules,
+            quota: Quota {
+                messages: delay.max_pending_per_owner,
+                bytes: delay.max_bytes_per_owner.as_u64(),
+            },
+            logs: Mutex::default(),
         }
     }
 
@@ -141,15 +190,15 @@ async fn next_bus(
 /// What the consume loop waits for next.
 enum Next {
     Batch(Result<Vec<Arrived>, BusError>),
-    /// The tag that acknowledges the stored batch (`None`: it was empty).
-    Stored(Result<Option<u64>, Ended>),
+    /// What settles the stored batch (`None`: it was empty).
+    Stored(Result<Option<Taken>, Ended>),
 }
 
 /// Up to `delay.ingest_concurrency` batches are stored at once, so the broker keeps
 /// delivering while one commits; they are acknowledged in arrival order (`multiple`
 /// acknowledges every earlier delivery too), each once it and all before it are stored.
 async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
-    let rules = ctx.rules();
+    let judge = ctx.judge();
     let depth = usize::from(ctx.settings.delay.ingest_concurrency);
     let max = usize::from(ctx.settings.delay.prefetch).div_ceil(depth);
     let linger = ctx.settings.delay.ingest_linger;
@@ -161,14 +210,14 @@ async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
             Some(stored) = storing.next() => Next::Stored(stored),
         };
         match next {
-            Next::Batch(Ok(batch)) => storing.push_back(take_in(ctx, batch, &rules)),
+            Next::Batch(Ok(batch)) => storing.push_back(take_in(ctx, batch, &judge)),
             Next::Batch(Err(e)) => {
                 tracing::warn!(error = %Chain(&e), "delay ingress lost its channel");
                 break Ended::BusLost;
             }
             Next::Stored(Ok(None)) => {}
-            Next::Stored(Ok(Some(last))) => {
-                if let Err(ended) = acknowledge(&ingress, last).await {
+            Next::Stored(Ok(Some(taken))) => {
+                if let Err(ended) = settle(&ingress, taken).await {
                     break ended;
                 }
             }
@@ -180,9 +229,9 @@ async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
     if matches!(ended, Ended::Stop) {
         // Batches being stored finish (each is bounded) and are acknowledged: a stop
         // should not cause redeliveries.
-        while let Some(Ok(last)) = storing.next().await {
-            if let Some(last) = last
-                && acknowledge(&ingress, last).await.is_err()
+        while let Some(Ok(taken)) = storing.next().await {
+            if let Some(taken) = taken
+                && settle(&ingress, taken).await.is_err()
             {
                 break;
             }
@@ -193,57 +242,96 @@ async fn consume(ctx: &Intake, mut ingress: Ingress) -> Ended {
 }
 
 /// Store one batch: the delivery tag that acknowledges it, once stored (never tag 0,
-/// which with `multiple` would acknowledge every delivery).
-async fn take_in(ctx: &Intake, batch: Vec<Arrived>, rules: &Rules) -> Result<Option<u64>, Ended> {
+/// which with `multiple` would acknowledge every delivery), and those of the messages
+/// over their owner's quota, to reject.
+async fn take_in(ctx: &Intake, batch: Vec<Arrived>, judge: &Judge) -> Result<Option<Taken>, Ended> {
     let arrived = Instant::now();
-    let Some(last) = batch.last().map(|a| a.tag) else {
+    if batch.is_empty() {
         return Ok(None);
-    };
+    }
+    let now = chrono::Utc::now();
+    let tags: Vec<u64> = batch.iter().map(|a| a.tag).collect();
     let items: Vec<Ingest> = batch
         .into_iter()
-        .map(|a| delayed::ingest(a.message, rules))
+        .map(|a| delayed::ingest(a.message, &judge.rules, now))
         .collect();
-    let outcome = store(ctx, &items).await?;
+    let outcome = store(ctx, &items, judge.quota).await?;
     ctx.probe.metrics.ingested(&outcome, arrived.elapsed());
     ctx.probe.update(|s| {
         if let Some(i) = s.ingress.as_mut() {
             i.stored_total += outcome.stored;
         }
     });
-    if outcome.held > 0 {
-        tracing::warn!(
-            held = outcome.held,
-            "delayed messages with bad input stored as failing (see timeoutd pending --failing)"
-        );
+    for bound in Bound::ALL {
+        let what = match bound {
+            Bound::BadInput => "delayed messages with bad input stored held",
+            Bound::TooLate => "delayed messages due later than delay.max_delay stored held",
+            Bound::TooLarge => {
+                "delayed messages with a body over delay.max_body stored held, without the body"
+            }
+            Bound::NotAllowed => {
+                "delayed messages naming an exchange not allowed for them stored held"
+            }
+        };
+        let what = format!("{what} (see timeoutd pending --failing)");
+        judge.warn(bound.result(), outcome.held[bound as usize], &what);
     }
-    Ok(Some(last))
+    judge.warn(
+        OVER_QUOTA,
+        outcome.over_quota.len() as u64,
+        "delayed messages over their owner's delay.max_pending_per_owner or \
+         delay.max_bytes_per_owner rejected to the broker (dead-lettered if the ingress \
+         queue has a dead-letter policy, else dropped)",
+    );
+    let reject: Vec<u64> = outcome
+        .over_quota
+        .iter()
+        .filter_map(|i| tags.get(*i).copied())
+        .collect();
+    // A rejected tag is no longer the channel's to acknowledge: acknowledging it (even
+    // as `multiple`'s upper end) would close the channel and return every delivery.
+    let last = tags.iter().rev().copied().find(|t| !reject.contains(t));
+    Ok(Some(Taken { last, reject }))
 }
 
-/// Stored but not acknowledged is safe: the redelivery finds its message_id stored.
-async fn acknowledge(ingress: &Ingress, last: u64) -> Result<(), Ended> {
-    ingress.ack_up_to(last).await.map_err(|e| {
-        tracing::warn!(error = %Chain(&e), "cannot acknowledge stored delayed messages");
+/// The `result` label of a message rejected over its owner's quota.
+pub(crate) const OVER_QUOTA: &str = "rejected_over_quota";
+
+/// Reject what was over quota, then acknowledge the rest (`multiple` would acknowledge
+/// the rejected ones too if it came first). Stored but not acknowledged is safe: the
+/// redelivery finds its message_id stored.
+async fn settle(ingress: &Ingress, taken: Taken) -> Result<(), Ended> {
+    let lost = |e: BusError| {
+        tracing::warn!(error = %Chain(&e), "cannot settle stored delayed messages");
         Ended::BusLost
-    })
+    };
+    for tag in taken.reject {
+        ingress.reject(tag).await.map_err(lost)?;
+    }
+    match taken.last {
+        Some(last) => ingress.ack_up_to(last).await.map_err(lost),
+        None => Ok(()),
+    }
 }
 
 /// Store a batch, retrying while the database is away for up to `election.member_ttl`
 /// (the messages wait, unacknowledged). A batch the database refuses is stored message
 /// by message, so one bad message never holds up the others.
-async fn store(ctx: &Intake, items: &[Ingest]) -> Result<IngestOutcome, Ended> {
+async fn store(ctx: &Intake, items: &[Ingest], quota: Quota) -> Result<IngestOutcome, Ended> {
     let give_up = Instant::now() + ctx.settings.election.member_ttl;
     let mut backoff = Backoff::new(ctx.settings.backoff.min, ctx.settings.backoff.max);
     loop {
         match bounded(
             ctx.settings.db_bound(),
-            ctx.store.ingest(items, ctx.settings.delay.cancel_ttl),
+            ctx.store
+                .ingest(items, ctx.settings.delay.cancel_ttl, quota),
         )
         .await
         {
             Ok(outcome) => return Ok(outcome),
             Err(StoreError::Db(sqlx::Error::Database(e))) => {
                 tracing::warn!(error = %e, "the database refused a batch of delayed messages: storing them one by one");
-                return Ok(store_alone(ctx, items).await);
+                return Ok(store_alone(ctx, items, quota).await);
             }
             Err(e) => {
                 let delay = backoff.next_delay();
@@ -265,13 +353,16 @@ async fn store(ctx: &Intake, items: &[Ingest]) -> Result<IngestOutcome, Ended> {
 /// Each message in a transaction of its own; one the database refuses as it is is
 /// stored held, with its body and the database's reason; one that cannot be stored at
 /// all is logged and counted (the database refused even the plain row).
-async fn store_alone(ctx: &Intake, items: &[Ingest]) -> IngestOutcome {
+async fn store_alone(ctx: &Intake, items: &[Ingest], quota: Quota) -> IngestOutcome {
     let mut total = IngestOutcome::default();
-    for item in items {
+    for (i, item) in items.iter().enumerate() {
         let outcome = match bounded(
             ctx.settings.db_bound(),
-            ctx.store
-                .ingest(std::slice::from_ref(item), ctx.settings.delay.cancel_ttl),
+            ctx.store.ingest(
+                std::slice::from_ref(item),
+                ctx.settings.delay.cancel_ttl,
+                quota,
+            ),
         )
         .await
         {
@@ -281,16 +372,17 @@ async fn store_alone(ctx: &Intake, items: &[Ingest]) -> IngestOutcome {
                     let plain = Ingest::Store(Box::new(held_plain(s, &e.to_string())));
                     bounded(
                         ctx.settings.db_bound(),
-                        ctx.store.ingest(&[plain], ctx.settings.delay.cancel_ttl),
+                        ctx.store
+                            .ingest(&[plain], ctx.settings.delay.cancel_ttl, quota),
                     )
                     .await
                 }
-                Ingest::Cancel(_) => Err(StoreError::Db(sqlx::Error::Database(e))),
+                Ingest::Cancel { .. } => Err(StoreError::Db(sqlx::Error::Database(e))),
             },
             Err(e) => Err(e),
         };
         match outcome {
-            Ok(o) => total = total.plus(o),
+            Ok(o) => total = total.plus(o, i),
             Err(e) => {
                 tracing::error!(error = %Chain(&e), "a delayed message could not be stored at all: dropped");
                 ctx.probe.metrics.ingest_dropped();
@@ -305,15 +397,19 @@ async fn store_alone(ctx: &Intake, items: &[Ingest]) -> IngestOutcome {
 fn held_plain(s: &Stored, why: &str) -> Stored {
     let id = uuid::Uuid::new_v4().to_string();
     Stored {
+        owner: s.owner.clone(),
         message_id: id.clone(),
         due: s.due,
         exchange: s.exchange.clone(),
         routing_key: s.routing_key.clone(),
         properties: serde_json::json!({ "message_id": id }).to_string(),
         body: s.body.clone(),
-        held: Some(format!(
-            "the database refused the message as published ({why}); its properties are lost"
-        )),
+        held: Some(Held {
+            why: format!(
+                "the database refused the message as published ({why}); its properties are lost"
+            ),
+            bound: Bound::BadInput,
+        }),
     }
 }
 

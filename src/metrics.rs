@@ -15,7 +15,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 use uuid::Uuid;
 
-use crate::store::{IngestOutcome, PendingCounts};
+use crate::store::{Bound, IngestOutcome, PendingCounts};
 
 /// The `kind` of expectations (see `fire::Kind::NAME`).
 const EXPECTATION: &str = "expectation";
@@ -270,7 +270,9 @@ impl Metrics {
         );
         r.register(
             "delayed_ingested",
-            "delayed messages taken in, by result (stored, duplicate, held, cancelled, dropped)",
+            "delayed messages taken in, by result (stored, duplicate, held, held_not_allowed, \
+             held_too_large, held_too_late, rejected_over_quota, cancelled, arrived_cancelled, \
+             dropped)",
             self.ingested.clone(),
         );
         r.register_with_unit(
@@ -376,13 +378,16 @@ impl Metrics {
 
     /// One stored batch of delayed messages and how long it took from arrival.
     pub fn ingested(&self, o: &IngestOutcome, took: Duration) {
+        let held = o.held_total();
         let results = [
-            ("stored", o.stored - o.held.min(o.stored)),
-            ("held", o.held),
+            ("stored", o.stored - held.min(o.stored)),
             ("duplicate", o.duplicates),
             ("cancelled", o.cancelled),
             ("arrived_cancelled", o.arrived_cancelled),
-        ];
+            (crate::ingress::OVER_QUOTA, o.over_quota.len() as u64),
+        ]
+        .into_iter()
+        .chain(Bound::ALL.map(|b| (b.result(), o.held[b as usize])));
         for (result, n) in results {
             self.ingested
                 .get_or_create(&ResultLabel { result })

@@ -23,7 +23,8 @@ mod expectations;
 mod settle;
 
 pub use delayed::{
-    DelayedRow, Due, Ingest, IngestOutcome, PendingDelayed, Stored, lock_delayed_sql,
+    Bound, DelayedRow, Due, Held, Ingest, IngestOutcome, PendingDelayed, Quota, Stored,
+    lock_delayed_sql,
 };
 pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
 use settle::Writes;

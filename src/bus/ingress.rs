@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::{FutureExt, StreamExt};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable};
@@ -184,6 +184,15 @@ impl Ingress {
             .channel
             .basic_ack(tag, BasicAckOptions { multiple: true });
         Ok(ack.await?)
+    }
+
+    /// Reject one delivery without requeueing it: the broker dead-letters it if the
+    /// queue has a dead-letter exchange, else drops it.
+    pub async fn reject(&self, tag: u64) -> Result<(), BusError> {
+        let reject = self
+            .channel
+            .basic_reject(tag, BasicRejectOptions { requeue: false });
+        Ok(reject.await?)
     }
 
     /// Stop consuming: deliveries not acknowledged go back to the queue, for the nodes

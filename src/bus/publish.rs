@@ -101,6 +101,10 @@ pub enum PublishError {
     ConfirmTimeout(Duration),
     #[error("invalid message: {0}")]
     Invalid(String),
+    /// A destination this message may never be sent to (see
+    /// `wire::delayed::Destinations`): held for an operator, not retried.
+    #[error("not allowed, held: {0}")]
+    NotAllowed(String),
     #[error("message of {size} bytes exceeds amqp.max_message_size ({max} bytes)")]
     TooLarge { size: usize, max: usize },
     #[error("channel closed by the broker: {0}")]
@@ -108,6 +112,11 @@ pub enum PublishError {
 }
 
 impl PublishError {
+    /// Retrying cannot help, whatever happens on the broker: the row is held.
+    pub fn holds(&self) -> bool {
+        matches!(self, PublishError::NotAllowed(_))
+    }
+
     /// Stable label for logs and metrics.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -117,6 +126,7 @@ impl PublishError {
             PublishError::Nacked => "nacked",
             PublishError::ConfirmTimeout(_) => "confirm_timeout",
             PublishError::Invalid(_) => "invalid",
+            PublishError::NotAllowed(_) => "not_allowed",
             PublishError::TooLarge { .. } => "too_large",
             PublishError::Channel(_) => "channel",
         }

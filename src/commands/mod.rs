@@ -35,7 +35,7 @@ pub async fn dispatch(cli: Cli) -> ExitCode {
         Command::Expect(args) => expect(&settings, args).await,
         Command::Members(args) => members::members(&settings, args).await,
         Command::Pending(args) => pending::pending(&settings, args).await,
-        Command::Cancel(args) => cancel(&settings, &args.message_id).await,
+        Command::Cancel(args) => cancel(&settings, &args.owner, &args.message_id).await,
     };
     match result {
         Ok(code) => code,
@@ -52,18 +52,21 @@ fn config_error(e: &ConfigError) -> ExitCode {
     ExitCode::from(EXIT_CONFIG)
 }
 
-async fn cancel(settings: &Settings, message_id: &str) -> anyhow::Result<ExitCode> {
+async fn cancel(settings: &Settings, owner: &str, message_id: &str) -> anyhow::Result<ExitCode> {
     let store = Store::connect(&settings.postgres)?;
     let cancelled = store
-        .cancel_delayed(message_id)
+        .cancel_delayed(owner, message_id)
         .await
         .context("cancelling the delayed message")?;
     store.close().await;
     if cancelled {
-        println!("cancelled {message_id:?}");
+        println!("cancelled {message_id:?} of owner {owner:?}");
         Ok(ExitCode::SUCCESS)
     } else {
-        println!("not pending: {message_id:?} (already delivered, cancelled, or unknown)");
+        println!(
+            "not pending: {message_id:?} of owner {owner:?} (already delivered, cancelled, \
+             or unknown)"
+        );
         Ok(ExitCode::from(EXIT_NOT_PENDING))
     }
 }

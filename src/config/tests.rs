@@ -172,6 +172,38 @@ fn invalid_values_are_refused_naming_the_key() {
             "delay.target_exchange",
         ),
         ("TIMEOUTD__DELAY__MAX_BODY", "lots", "max_body"),
+        (
+            "TIMEOUTD__DELAY__TARGET_EXCHANGE",
+            "amq.topic",
+            "delay.target_exchange",
+        ),
+        (
+            "TIMEOUTD__DELAY__TARGET_EXCHANGE",
+            "timeoutd.announcements",
+            "delay.target_exchange",
+        ),
+        (
+            "TIMEOUTD__DELAY__TARGET_EXCHANGE",
+            "timeoutd.delay.other-group",
+            "delay.target_exchange",
+        ),
+        (
+            "TIMEOUTD__DELAY__ALLOWED_EXCHANGES",
+            "orders,team-[a",
+            "delay.allowed_exchanges",
+        ),
+        ("TIMEOUTD__DELAY__MAX_DELAY", "0s", "delay.max_delay"),
+        ("TIMEOUTD__DELAY__MAX_DELAY", "101years", "delay.max_delay"),
+        (
+            "TIMEOUTD__DELAY__MAX_PENDING_PER_OWNER",
+            "0",
+            "delay.max_pending_per_owner",
+        ),
+        (
+            "TIMEOUTD__DELAY__MAX_BYTES_PER_OWNER",
+            "1MiB",
+            "delay.max_bytes_per_owner",
+        ),
         ("TIMEOUTD__DELAY__ENABLED", "maybe", "enabled"),
         ("TIMEOUTD__ELECTION__COLOUR", "blue", "colour"),
         (
@@ -300,4 +332,38 @@ fn the_delay_exchange_names_the_group() {
     assert_eq!(s.delay_exchange(), "timeoutd.delay.billing");
     let s = load(&[("TIMEOUTD__DELAY__EXCHANGE", "billing.delayed")]).expect("valid");
     assert_eq!(s.delay_exchange(), "billing.delayed");
+}
+
+#[test]
+fn allowed_exchanges_come_as_a_list_or_a_comma_separated_string() {
+    let s = load(&[]).expect("defaults");
+    assert!(s.delay.allowed_exchanges.is_empty());
+    assert_eq!(s.delay.max_delay, Duration::from_millis(u32::MAX.into()));
+    let r = s.delay_destinations().expect("rule");
+    assert_eq!(r.check("timeoutd.delayed"), Ok(()));
+    assert!(r.check("orders").is_err());
+    let s = load(&[(
+        "TIMEOUTD__DELAY__ALLOWED_EXCHANGES",
+        " orders , billing.* ,",
+    )])
+    .expect("valid");
+    assert_eq!(s.delay.allowed_exchanges, ["orders", "billing.*"]);
+    let dir = std::env::temp_dir().join(format!("timeoutd-cfg-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let path = dir.join("c.toml");
+    std::fs::write(&path, "[delay]\nallowed_exchanges = [\"a\", \"b.*\"]\n").expect("write");
+    let s = Settings::load_from(Some(&path), env(&[])).expect("valid");
+    assert_eq!(s.delay.allowed_exchanges, ["a", "b.*"]);
+    // check-config prints it back as a list the file form reads again.
+    let shown = toml::to_string(&s).expect("toml");
+    assert!(
+        shown.contains(r#"allowed_exchanges = ["a", "b.*"]"#),
+        "{shown}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+    // Listing an exchange that is never allowed changes nothing for it.
+    let s = load(&[("TIMEOUTD__DELAY__ALLOWED_EXCHANGES", "*")]).expect("valid");
+    let r = s.delay_destinations().expect("rule");
+    assert!(r.check("amq.topic").is_err());
+    assert_eq!(r.check("anything"), Ok(()));
 }

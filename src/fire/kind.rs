@@ -6,8 +6,10 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use crate::bus::PublishError;
 use crate::store::{DELAYED, DelayedRow, DueRow, EXPECTATIONS, Store, StoreError, Table, Window};
-use crate::wire::{self, Invalid, Message};
+use crate::wire::delayed::Destinations;
+use crate::wire::{self, Message};
 
 /// A kind of due row: where it is stored, how it is read, what it becomes on the wire.
 pub trait Kind: Send + Sync {
@@ -38,8 +40,13 @@ pub trait Kind: Send + Sync {
         row: &mut Self::Row,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// The message the row becomes.
-    fn message(row: &Self::Row, node: Uuid) -> Result<Message, Invalid>;
+    /// The message the row becomes, sent by `node`; a delayed message only where
+    /// `destinations` allow.
+    fn message(
+        row: &Self::Row,
+        node: Uuid,
+        destinations: &Destinations,
+    ) -> Result<Message, PublishError>;
 }
 
 /// What the transaction reads from any due row.
@@ -92,8 +99,8 @@ impl Kind for Expectations {
         Ok(())
     }
 
-    fn message(row: &DueRow, node: Uuid) -> Result<Message, Invalid> {
-        wire::timeout::timeout(row, node)
+    fn message(row: &DueRow, node: Uuid, _: &Destinations) -> Result<Message, PublishError> {
+        wire::timeout::timeout(row, node).map_err(|e| PublishError::Invalid(e.0))
     }
 }
 
@@ -166,8 +173,17 @@ impl Kind for Delayed {
         Ok(())
     }
 
-    fn message(row: &DelayedRow, node: Uuid) -> Result<Message, Invalid> {
-        wire::delayed::delivery(row, node)
+    /// Judged again here, not only at ingest: rows stored by an earlier version, under
+    /// an earlier configuration, or released by an operator.
+    fn message(
+        row: &DelayedRow,
+        node: Uuid,
+        destinations: &Destinations,
+    ) -> Result<Message, PublishError> {
+        destinations
+            .check(&row.exchange)
+            .map_err(PublishError::NotAllowed)?;
+        wire::delayed::delivery(row, node).map_err(|e| PublishError::Invalid(e.0))
     }
 }
 

@@ -1,11 +1,13 @@
 //! Delayed messages (table `delayed_messages`): storing what the ingress receives, the
 //! due row the scan locks, and cancels.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
+use sqlx::types::Json;
 use uuid::Uuid;
 
 use serde::Serialize;
@@ -16,6 +18,8 @@ use super::{DELAYED, PendingFilter, Store, StoreError, Window, lock_rows, safe};
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct DelayedRow {
     pub id: Uuid,
+    /// Who published it (AMQP `user_id`), `""` for anonymous.
+    pub owner: String,
     pub message_id: String,
     pub deliver_at: DateTime<Utc>,
     pub exchange: String,
@@ -50,6 +54,7 @@ impl DelayedRow {
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct PendingDelayed {
     pub id: Uuid,
+    pub owner: String,
     pub message_id: String,
     pub deliver_at: DateTime<Utc>,
     pub exchange: String,
@@ -67,13 +72,28 @@ pub struct PendingDelayed {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ingest {
     Store(Box<Stored>),
-    /// Delete the pending message with this `message_id`.
-    Cancel(String),
+    /// Delete the owner's pending message with this `message_id`.
+    Cancel {
+        owner: String,
+        message_id: String,
+    },
+}
+
+impl Ingest {
+    fn key(&self) -> (&str, &str) {
+        match self {
+            Ingest::Store(s) => (&s.owner, &s.message_id),
+            Ingest::Cancel { owner, message_id } => (owner, message_id),
+        }
+    }
 }
 
 /// A message to keep until it is due.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stored {
+    /// The publisher's AMQP `user_id` (checked by the broker), `""` for anonymous: ids,
+    /// cancels and quotas are the owner's own.
+    pub owner: String,
     pub message_id: String,
     pub due: Due,
     pub exchange: String,
@@ -82,8 +102,66 @@ pub struct Stored {
     /// `wire::Properties` (stored as jsonb).
     pub properties: String,
     pub body: Vec<u8>,
-    /// Bad input: kept, but held for an operator with this reason, never delivered.
-    pub held: Option<String>,
+    /// Bad input: kept, but held for an operator, never delivered.
+    pub held: Option<Held>,
+}
+
+/// Why a stored message is held.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Held {
+    /// Every reason, for `last_error`.
+    pub why: String,
+    /// The one it is counted under.
+    pub bound: Bound,
+}
+
+/// What a held message is counted as (`timeoutd_delayed_ingested_total{result}`); when
+/// several apply, the last listed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Bound {
+    /// Unreadable headers, NUL characters, a cancel that names no id.
+    BadInput,
+    /// Due later than `delay.max_delay` allows.
+    TooLate,
+    /// A body over `delay.max_body` (not stored).
+    TooLarge,
+    /// An exchange it may not go to.
+    NotAllowed,
+}
+
+impl Bound {
+    pub const ALL: [Bound; 4] = [
+        Bound::BadInput,
+        Bound::TooLate,
+        Bound::TooLarge,
+        Bound::NotAllowed,
+    ];
+
+    /// Its `result` label.
+    pub fn result(self) -> &'static str {
+        match self {
+            Bound::BadInput => "held",
+            Bound::TooLate => "held_too_late",
+            Bound::TooLarge => "held_too_large",
+            Bound::NotAllowed => "held_not_allowed",
+        }
+    }
+}
+
+/// What one owner may have stored at once (`delay.max_pending_per_owner`,
+/// `delay.max_bytes_per_owner`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub messages: u64,
+    pub bytes: u64,
+}
+
+impl Quota {
+    /// No bound (tools and tests that store on purpose).
+    pub const NONE: Quota = Quota {
+        messages: u64::MAX,
+        bytes: u64::MAX,
+    };
 }
 
 /// When a stored message is due.
@@ -95,14 +173,17 @@ pub enum Due {
 }
 
 /// What one ingest transaction did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IngestOutcome {
     /// New rows (held ones included).
     pub stored: u64,
-    /// Messages whose `message_id` was already pending (a redelivery): nothing added.
+    /// Messages whose owner had this `message_id` pending (a redelivery): nothing added.
     pub duplicates: u64,
-    /// Held for an operator (bad input).
-    pub held: u64,
+    /// Held for an operator, by [`Bound`] (in the order of `Bound::ALL`).
+    pub held: [u64; 4],
+    /// Positions in the batch of the messages not stored because their owner is over
+    /// its quota: to be rejected to the broker.
+    pub over_quota: Vec<usize>,
     /// Pending messages deleted by cancel messages.
     pub cancelled: u64,
     /// Messages that arrived after a cancel message naming them: dropped.
@@ -110,14 +191,23 @@ pub struct IngestOutcome {
 }
 
 impl IngestOutcome {
-    pub fn plus(self, o: Self) -> Self {
-        Self {
-            stored: self.stored + o.stored,
-            duplicates: self.duplicates + o.duplicates,
-            held: self.held + o.held,
-            cancelled: self.cancelled + o.cancelled,
-            arrived_cancelled: self.arrived_cancelled + o.arrived_cancelled,
+    /// `o`, of a batch that followed this one at `offset` in the same delivery.
+    pub fn plus(mut self, o: Self, offset: usize) -> Self {
+        self.stored += o.stored;
+        self.duplicates += o.duplicates;
+        for (a, b) in self.held.iter_mut().zip(o.held) {
+            *a += b;
         }
+        self.over_quota
+            .extend(o.over_quota.into_iter().map(|i| i + offset));
+        self.cancelled += o.cancelled;
+        self.arrived_cancelled += o.arrived_cancelled;
+        self
+    }
+
+    /// Held for an operator, whatever the bound.
+    pub fn held_total(&self) -> u64 {
+        self.held.iter().sum()
     }
 }
 
@@ -138,7 +228,7 @@ pub fn lock_delayed_sql(table: &str) -> String {
         DELAYED.due_columns(),
     );
     format!(
-        "SELECT m.id, m.message_id, {deadline} AS deliver_at, m.exchange, \
+        "SELECT m.id, m.owner, m.message_id, {deadline} AS deliver_at, m.exchange, \
          m.routing_key, m.properties::text AS properties, \
          CASE WHEN octet_length(m.body) <= $2 THEN m.body END AS body, \
          octet_length(m.body) AS body_bytes, m.attempts, m.created_at, {due} \
@@ -147,9 +237,14 @@ pub fn lock_delayed_sql(table: &str) -> String {
     )
 }
 
+/// Ledger rows of one owner beyond which the ingest folds them into one (see migration
+/// 0007): reading an owner's usage stays a short index scan.
+const FOLD_AT: i64 = 32;
+
 #[derive(Debug, Clone)]
 pub(super) struct Statements {
     order: Arc<str>,
+    fold: Arc<str>,
     insert: Arc<str>,
     cancel_remembered: Arc<str>,
     cancel: Arc<str>,
@@ -163,72 +258,94 @@ impl Statements {
     pub(super) fn new(schema: &str) -> Self {
         let t = format!("{schema}.{}", DELAYED.name);
         let c = format!("{schema}.delayed_cancels");
+        let u = format!("{schema}.delayed_usage");
         // The lock space of this schema's ingest, apart from other schemas and other
         // users of two-key advisory locks (a collision would only make them wait).
         let space = format!("hashtext('timeoutd.delayed_messages:{schema}')");
         let mask = CANCEL_BUCKETS - 1;
         let deadline = DELAYED.deadline();
         let cols = format!(
-            "m.id, m.message_id, {deadline} AS deliver_at, m.exchange, m.routing_key, \
+            "m.id, m.owner, m.message_id, {deadline} AS deliver_at, m.exchange, m.routing_key, \
              octet_length(m.body) AS body_bytes, m.attempts, m.last_error, \
              CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
              coalesce(m.retry_at = 'infinity', false) AS held"
         );
         Self {
-            // One statement per batch; a message_id already pending (a redelivery after
-            // a crash between commit and ack, or a duplicate in the batch) adds nothing.
             // Locks taken first, in bucket order (no deadlock between two batches):
             // exclusive on the buckets of the batch's cancels, shared on those of its
             // messages, so a cancel and the message it names, stored by two nodes at
-            // once, never both miss each other (see migration 0006).
+            // once, never both miss each other (see migration 0006). A bucket is a hash
+            // of owner and message_id: the pair a cancel names. In the same round trip,
+            // what the owners in $4 have stored, and in how many ledger rows: two
+            // uncorrelated subqueries of one row, both evaluated (a lock call's result is
+            // counted, so the planner cannot drop it).
             order: format!(
-                "SELECT s.b, CASE WHEN s.cancel THEN pg_advisory_xact_lock({space}, s.b) \
-                 ELSE pg_advisory_xact_lock_shared({space}, s.b) END::text \
-                 FROM (SELECT (hashtextextended(i.message_id, 0) & {mask})::int AS b, \
+                "SELECT (SELECT count(l.locked) FROM (SELECT CASE WHEN s.cancel \
+                 THEN pg_advisory_xact_lock({space}, s.b) \
+                 ELSE pg_advisory_xact_lock_shared({space}, s.b) END::text AS locked \
+                 FROM (SELECT (hashtextextended(i.message_id, hashtext(i.owner)) & {mask})::int AS b, \
                  bool_or(i.cancel) AS cancel \
-                 FROM unnest($1::text[], $2::bool[]) AS i(message_id, cancel) \
-                 GROUP BY 1 ORDER BY 1) AS s"
+                 FROM unnest($1::text[], $2::text[], $3::bool[]) AS i(owner, message_id, cancel) \
+                 GROUP BY 1 ORDER BY 1) AS s) AS l), \
+                 (SELECT coalesce(json_agg(json_build_array(x.owner, x.messages, x.bytes, x.rows)), '[]') \
+                 FROM (SELECT owner, sum(messages)::int8 AS messages, sum(bytes)::int8 AS bytes, \
+                 count(*) AS rows FROM {u} WHERE owner = ANY($4) GROUP BY owner) AS x)"
             )
             .into(),
-            // One statement per batch; a message_id already pending (a redelivery after
-            // a crash between commit and ack, or a duplicate in the batch) adds nothing,
-            // and neither does one a cancel message named first. Rows go in in
-            // message_id order: two batches holding the same redelivered messages wait
-            // for each other's unique-index entries in one order, never deadlock.
+            // Folds the owners' ledger rows into one each; rows another fold holds are
+            // skipped, never waited for.
+            fold: format!(
+                "WITH gone AS (DELETE FROM {u} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {u} \
+                 WHERE owner = ANY($1) FOR UPDATE SKIP LOCKED)) RETURNING owner, messages, bytes) \
+                 INSERT INTO {u} (owner, messages, bytes) \
+                 SELECT owner, sum(messages), sum(bytes) FROM gone GROUP BY owner"
+            )
+            .into(),
+            // One statement per batch; a message_id its owner has pending already (a
+            // redelivery after a crash between commit and ack, or a duplicate in the
+            // batch) adds nothing, and neither does one its owner's cancel message named
+            // first. Rows go in in (owner, message_id) order: two batches holding the same
+            // redelivered messages wait for each other's unique-index entries in one
+            // order, never deadlock.
             insert: format!(
                 "WITH r AS (SELECT r.*, EXISTS (SELECT 1 FROM {c} AS c \
-                 WHERE c.message_id = r.message_id AND c.expires_at > now()) AS cancelled \
-                 FROM unnest($1::uuid[], $2::text[], $3::float8[], $4::timestamptz[], \
-                 $5::text[], $6::text[], $7::text[], $8::bytea[], $9::text[]) \
-                 AS r(id, message_id, delay_ms, at, exchange, routing_key, properties, body, held)), \
-                 stored AS (INSERT INTO {t} (id, message_id, deliver_at, exchange, routing_key, \
-                 properties, body, attempts, last_error, retry_at) \
-                 SELECT r.id, r.message_id, \
+                 WHERE c.owner = r.owner AND c.message_id = r.message_id \
+                 AND c.expires_at > now()) AS cancelled \
+                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::float8[], \
+                 $5::timestamptz[], $6::text[], $7::text[], $8::text[], $9::bytea[], $10::text[]) \
+                 AS r(id, owner, message_id, delay_ms, at, exchange, routing_key, properties, \
+                 body, held)), \
+                 stored AS (INSERT INTO {t} (id, owner, message_id, deliver_at, exchange, \
+                 routing_key, properties, body, attempts, last_error, retry_at) \
+                 SELECT r.id, r.owner, r.message_id, \
                  coalesce(r.at, now() + make_interval(secs => r.delay_ms / 1000.0)), \
                  r.exchange, r.routing_key, r.properties::jsonb, r.body, \
                  CASE WHEN r.held IS NULL THEN 0 ELSE 1 END, r.held, \
                  CASE WHEN r.held IS NULL THEN NULL ELSE 'infinity'::timestamptz END \
-                 FROM r WHERE NOT r.cancelled ORDER BY r.message_id COLLATE \"C\" \
-                 ON CONFLICT (message_id) DO NOTHING RETURNING 1) \
+                 FROM r WHERE NOT r.cancelled \
+                 ORDER BY r.owner COLLATE \"C\", r.message_id COLLATE \"C\" \
+                 ON CONFLICT (owner, message_id) DO NOTHING RETURNING 1) \
                  SELECT (SELECT count(*) FROM stored), (SELECT count(*) FROM r WHERE r.cancelled)"
             )
             .into(),
             // The cancel is remembered (renewed if repeated), and a few expired ones
             // are forgotten, so the table holds about the cancels of one cancel_ttl.
             cancel_remembered: format!(
-                "WITH x AS (SELECT DISTINCT unnest($1::text[]) AS message_id), \
-                 remember AS (INSERT INTO {c} (message_id, expires_at) \
-                 SELECT message_id, now() + make_interval(secs => $2) FROM x \
-                 ON CONFLICT (message_id) DO UPDATE SET expires_at = excluded.expires_at), \
-                 forget AS (DELETE FROM {c} WHERE message_id IN (SELECT message_id FROM {c} \
-                 WHERE expires_at <= now() AND message_id NOT IN (SELECT message_id FROM x) \
-                 ORDER BY expires_at LIMIT {FORGET})), \
-                 deleted AS (DELETE FROM {t} WHERE message_id IN (SELECT message_id FROM x) \
-                 RETURNING 1) \
+                "WITH x AS (SELECT DISTINCT owner, message_id \
+                 FROM unnest($1::text[], $2::text[]) AS x(owner, message_id)), \
+                 remember AS (INSERT INTO {c} (owner, message_id, expires_at) \
+                 SELECT owner, message_id, now() + make_interval(secs => $3) FROM x \
+                 ON CONFLICT (owner, message_id) DO UPDATE SET expires_at = excluded.expires_at), \
+                 forget AS (DELETE FROM {c} WHERE (owner, message_id) IN \
+                 (SELECT e.owner, e.message_id FROM {c} AS e WHERE e.expires_at <= now() \
+                 AND NOT EXISTS (SELECT 1 FROM x WHERE x.owner = e.owner \
+                 AND x.message_id = e.message_id) ORDER BY e.expires_at LIMIT {FORGET})), \
+                 deleted AS (DELETE FROM {t} AS m USING x \
+                 WHERE m.owner = x.owner AND m.message_id = x.message_id RETURNING 1) \
                  SELECT count(*) FROM deleted"
             )
             .into(),
-            cancel: format!("DELETE FROM {t} WHERE message_id = ANY($1)").into(),
+            cancel: format!("DELETE FROM {t} WHERE owner = $1 AND message_id = $2").into(),
             lock_due: lock_delayed_sql(&t).into(),
             body: format!("SELECT body FROM {t} WHERE id = $1").into(),
             list_all: format!("SELECT {cols} FROM {t} AS m ORDER BY m.deliver_at LIMIT $1").into(),
@@ -240,24 +357,42 @@ impl Statements {
     }
 }
 
+/// What one owner has stored: owner, messages, bytes, and the ledger rows saying so.
+type Usage = (String, i64, i64, i64);
+
+/// Bytes a stored message counts against its owner's quota, as the ingest estimates them
+/// (the ledger counts them as Postgres stores them: near enough).
+fn footprint(s: &Stored) -> u64 {
+    (s.body.len() + s.properties.len()) as u64
+}
+
 impl Store {
     /// Store and cancel in arrival order, in one transaction (a cancel that arrives
     /// after its message in the same batch still finds it); a cancel is remembered for
     /// `cancel_ttl`, so its message arriving later, through another node, is dropped.
+    /// A message whose owner would go over `quota` is not stored (its position is
+    /// returned in [`IngestOutcome::over_quota`]). The quota is read once per batch
+    /// from committed rows: batches stored at the same time may each take the last
+    /// room, so an owner can exceed it by what is in flight at once (prefetch per node).
     pub async fn ingest(
         &self,
         batch: &[Ingest],
         cancel_ttl: Duration,
+        quota: Quota,
     ) -> Result<IngestOutcome, StoreError> {
         let mut out = IngestOutcome::default();
         let mut tx = self.begin().await?;
-        self.order(&mut tx, batch).await?;
+        let usage = self.order(&mut tx, batch, quota).await?;
+        let admitted = self.admit(&mut tx, batch, quota, usage, &mut out).await?;
+        let mut offset = 0;
         for run in
             batch.chunk_by(|a, b| matches!(a, Ingest::Store(_)) == matches!(b, Ingest::Store(_)))
         {
+            let admitted = &admitted[offset..offset + run.len()];
+            offset += run.len();
             match &run[0] {
-                Ingest::Store(_) => self.insert(&mut tx, run, &mut out).await?,
-                Ingest::Cancel(_) => {
+                Ingest::Store(_) => self.insert(&mut tx, run, admitted, &mut out).await?,
+                Ingest::Cancel { .. } => {
                     out.cancelled += self.cancel_in(&mut tx, run, cancel_ttl).await?
                 }
             }
@@ -266,36 +401,112 @@ impl Store {
         Ok(out)
     }
 
-    /// Take the batch's bucket locks (see `Statements::order`).
-    async fn order(&self, tx: &mut PgConnection, batch: &[Ingest]) -> Result<(), StoreError> {
-        let (ids, cancels): (Vec<&str>, Vec<bool>) = batch
-            .iter()
-            .map(|i| match i {
-                Ingest::Store(s) => (s.message_id.as_str(), false),
-                Ingest::Cancel(id) => (id.as_str(), true),
-            })
-            .unzip();
-        sqlx::query(safe(&self.sql.delayed.order))
+    /// Take the batch's bucket locks (see `Statements::order`), and read what the owners
+    /// of its messages have stored (none without a quota to check).
+    async fn order(
+        &self,
+        tx: &mut PgConnection,
+        batch: &[Ingest],
+        quota: Quota,
+    ) -> Result<Vec<Usage>, StoreError> {
+        let mut owners = Vec::with_capacity(batch.len());
+        let mut ids = Vec::with_capacity(batch.len());
+        let mut cancels = Vec::with_capacity(batch.len());
+        for item in batch {
+            let (owner, id) = item.key();
+            owners.push(owner);
+            ids.push(id);
+            cancels.push(matches!(item, Ingest::Cancel { .. }));
+        }
+        let mut storing: Vec<&str> = Vec::new();
+        if quota != Quota::NONE {
+            storing = batch
+                .iter()
+                .filter_map(|i| match i {
+                    Ingest::Store(s) => Some(s.owner.as_str()),
+                    Ingest::Cancel { .. } => None,
+                })
+                .collect();
+            storing.sort_unstable();
+            storing.dedup();
+        }
+        let (_, usage): (i64, Json<Vec<Usage>>) = sqlx::query_as(safe(&self.sql.delayed.order))
+            .bind(owners)
             .bind(ids)
             .bind(cancels)
-            .fetch_all(tx)
+            .bind(storing)
+            .fetch_one(tx)
             .await?;
-        Ok(())
+        Ok(usage.0)
+    }
+
+    /// Which messages of the batch their owners have room for, in arrival order (the
+    /// first ones fit); folds the ledger of owners it found long.
+    async fn admit(
+        &self,
+        tx: &mut PgConnection,
+        batch: &[Ingest],
+        quota: Quota,
+        usage: Vec<Usage>,
+        out: &mut IngestOutcome,
+    ) -> Result<Vec<bool>, StoreError> {
+        let mut admitted = vec![true; batch.len()];
+        if quota == Quota::NONE {
+            return Ok(admitted);
+        }
+        let long: Vec<&str> = usage
+            .iter()
+            .filter(|u| u.3 > FOLD_AT)
+            .map(|u| u.0.as_str())
+            .collect();
+        if !long.is_empty() {
+            sqlx::query(safe(&self.sql.delayed.fold))
+                .bind(long)
+                .execute(&mut *tx)
+                .await?;
+        }
+        let mut used: HashMap<&str, (u64, u64)> = usage
+            .iter()
+            .map(|(o, m, b, _)| {
+                (
+                    o.as_str(),
+                    (m.max(&0).unsigned_abs(), b.max(&0).unsigned_abs()),
+                )
+            })
+            .collect();
+        for (i, item) in batch.iter().enumerate() {
+            let Ingest::Store(s) = item else { continue };
+            let (messages, bytes) = used.entry(s.owner.as_str()).or_default();
+            let size = footprint(s);
+            if *messages >= quota.messages || bytes.saturating_add(size) > quota.bytes {
+                admitted[i] = false;
+                out.over_quota.push(i);
+            } else {
+                *messages += 1;
+                *bytes += size;
+            }
+        }
+        Ok(admitted)
     }
 
     async fn insert(
         &self,
         tx: &mut PgConnection,
         run: &[Ingest],
+        admitted: &[bool],
         out: &mut IngestOutcome,
     ) -> Result<(), StoreError> {
         let rows: Vec<&Stored> = run
             .iter()
-            .filter_map(|i| match i {
-                Ingest::Store(s) => Some(&**s),
-                Ingest::Cancel(_) => None,
+            .zip(admitted)
+            .filter_map(|(i, ok)| match i {
+                Ingest::Store(s) if *ok => Some(&**s),
+                _ => None,
             })
             .collect();
+        if rows.is_empty() {
+            return Ok(());
+        }
         let properties: Vec<&str> = rows.iter().map(|r| r.properties.as_str()).collect();
         let (delay_ms, at): (Vec<Option<f64>>, Vec<Option<DateTime<Utc>>>) = rows
             .iter()
@@ -306,6 +517,7 @@ impl Store {
             .unzip();
         let (inserted, cancelled): (i64, i64) = sqlx::query_as(safe(&self.sql.delayed.insert))
             .bind(rows.iter().map(|_| Uuid::new_v4()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.owner.as_str()).collect::<Vec<_>>())
             .bind(
                 rows.iter()
                     .map(|r| r.message_id.as_str())
@@ -321,14 +533,20 @@ impl Store {
             )
             .bind(properties)
             .bind(rows.iter().map(|r| r.body.as_slice()).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| r.held.as_deref()).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|r| r.held.as_ref().map(|h| h.why.as_str()))
+                    .collect::<Vec<_>>(),
+            )
             .fetch_one(&mut *tx)
             .await?;
         let (inserted, cancelled) = (inserted.unsigned_abs(), cancelled.unsigned_abs());
         out.stored += inserted;
         out.arrived_cancelled += cancelled;
         out.duplicates += (rows.len() as u64).saturating_sub(inserted + cancelled);
-        out.held += rows.iter().filter(|r| r.held.is_some()).count() as u64;
+        for held in rows.iter().filter_map(|r| r.held.as_ref()) {
+            out.held[held.bound as usize] += 1;
+        }
         Ok(())
     }
 
@@ -338,14 +556,9 @@ impl Store {
         run: &[Ingest],
         ttl: Duration,
     ) -> Result<u64, StoreError> {
-        let ids: Vec<&str> = run
-            .iter()
-            .filter_map(|i| match i {
-                Ingest::Cancel(id) => Some(id.as_str()),
-                Ingest::Store(_) => None,
-            })
-            .collect();
+        let (owners, ids): (Vec<&str>, Vec<&str>) = run.iter().map(Ingest::key).unzip();
         let deleted: i64 = sqlx::query_scalar(safe(&self.sql.delayed.cancel_remembered))
+            .bind(owners)
             .bind(ids)
             .bind(ttl.as_secs_f64())
             .fetch_one(tx)
@@ -369,10 +582,12 @@ impl Store {
             .await?)
     }
 
-    /// Cancel one pending delayed message: `true` when it was still pending.
-    pub async fn cancel_delayed(&self, message_id: &str) -> Result<bool, StoreError> {
+    /// Cancel one pending delayed message of `owner` (`""`: anonymous): `true` when it
+    /// was still pending.
+    pub async fn cancel_delayed(&self, owner: &str, message_id: &str) -> Result<bool, StoreError> {
         let done = sqlx::query(safe(&self.sql.delayed.cancel))
-            .bind(vec![message_id])
+            .bind(owner)
+            .bind(message_id)
             .execute(&self.pool)
             .await?;
         Ok(done.rows_affected() > 0)

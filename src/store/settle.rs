@@ -11,12 +11,13 @@ use uuid::Uuid;
 
 use super::{Store, StoreError, Table, safe};
 
-/// A publish that did not go through: the row stays and is retried after `delay`.
+/// A publish that did not go through: the row stays and is retried after `delay`, or
+/// (`None`) is held for an operator (`retry_at = 'infinity'`): retrying cannot help.
 #[derive(Debug, Clone)]
 pub struct Failure {
     pub id: Uuid,
     pub error: String,
-    pub delay: Duration,
+    pub delay: Option<Duration>,
 }
 
 /// A row whose message was confirmed but whose batch did not commit: it is deleted
@@ -56,6 +57,9 @@ struct Refusal {
 const MAX_ERROR_CHARS: usize = 1000;
 /// The bit of `pg_trigger.tgtype` that says a trigger fires on DELETE.
 const ON_DELETE: i32 = 1 << 3;
+/// Delete triggers of our own migrations, which never refuse a row (0007: the usage
+/// ledger, an insert into a table without constraints). Comma-separated.
+const OWN_DELETE_TRIGGERS: &str = "delayed_messages_usage_delete";
 /// `attempts + 1` that cannot overflow (rows written by other tools may hold anything).
 const NEXT_ATTEMPT: &str = "CASE WHEN m.attempts < 2147483647 THEN m.attempts + 1 \
                             ELSE m.attempts END";
@@ -108,7 +112,8 @@ impl Writes {
                  SELECT EXISTS (SELECT FROM pg_catalog.pg_constraint \
                  WHERE confrelid = c.oid AND contype = 'f') \
                  OR EXISTS (SELECT FROM pg_catalog.pg_trigger WHERE tgrelid = c.oid \
-                 AND NOT tgisinternal AND tgenabled <> 'D' AND (tgtype::int4 & {ON_DELETE}) <> 0) \
+                 AND NOT tgisinternal AND tgenabled <> 'D' AND (tgtype::int4 & {ON_DELETE}) <> 0 \
+                 AND tgname <> ALL ('{{{OWN_DELETE_TRIGGERS}}}'::text[])) \
                  OR EXISTS (SELECT FROM pg_catalog.pg_rewrite WHERE ev_class = c.oid \
                  AND ev_type = '4') \
                  OR EXISTS (SELECT FROM pg_catalog.pg_inherits WHERE inhparent = c.oid) \
@@ -145,7 +150,8 @@ impl Writes {
             .into(),
             fail: format!(
                 "UPDATE {t} AS m SET attempts = {NEXT_ATTEMPT}, last_error = f.error, \
-                 retry_at = clock_timestamp() + make_interval(secs => f.delay) \
+                 retry_at = CASE WHEN f.delay IS NULL THEN 'infinity'::timestamptz \
+                 ELSE clock_timestamp() + make_interval(secs => f.delay) END \
                  FROM unnest($1::uuid[], $2::text[], $3::float8[]) AS f(id, error, delay) \
                  WHERE m.id = f.id"
             )
@@ -332,7 +338,7 @@ async fn delete(tx: &mut PgConnection, w: &Writes, ids: &[Uuid]) -> Result<(), s
     Ok(())
 }
 
-/// attempts + 1 (saturating), last_error, retry_at = now + delay.
+/// attempts + 1 (saturating), last_error, retry_at = now + delay (or 'infinity').
 async fn charge(
     tx: &mut PgConnection,
     w: &Writes,
@@ -343,7 +349,10 @@ async fn charge(
     }
     let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
     let errors: Vec<String> = failures.iter().map(|f| truncate(&f.error)).collect();
-    let delays: Vec<f64> = failures.iter().map(|f| f.delay.as_secs_f64()).collect();
+    let delays: Vec<Option<f64>> = failures
+        .iter()
+        .map(|f| f.delay.map(|d| d.as_secs_f64()))
+        .collect();
     sqlx::query(safe(&w.fail))
         .bind(ids)
         .bind(errors)

@@ -8,7 +8,10 @@ use chrono::{DateTime, Datelike, Utc};
 use uuid::Uuid;
 
 use super::{Invalid, Message, Properties, Value, short};
-use crate::store::{DelayedRow, Due, Ingest, Stored};
+use crate::store::{Bound, DelayedRow, Due, Held, Ingest, Stored};
+
+mod destinations;
+pub use destinations::{DestinationError, Destinations, Names};
 
 /// Milliseconds to wait, as with the delayed-message-exchange plugin.
 pub const DELAY_HEADER: &str = "x-delay";
@@ -16,63 +19,79 @@ pub const DELAY_HEADER: &str = "x-delay";
 pub const DELIVER_AT_HEADER: &str = "x-timeoutd-deliver-at";
 /// The exchange to deliver to, instead of `delay.target_exchange`.
 pub const EXCHANGE_HEADER: &str = "x-timeoutd-exchange";
-/// A message carrying this header cancels the pending message with that `message_id`.
+/// A message carrying this header cancels its owner's pending message with that
+/// `message_id`.
 pub const CANCEL_HEADER: &str = "x-timeoutd-cancel";
 /// How long the message was held, in milliseconds (added at delivery).
 pub const DELAYED_MS_HEADER: &str = "x-timeoutd-delayed-ms";
-/// The publisher's `user_id`, which cannot be published again as a property.
+/// The message's owner: the `user_id` it was published with (the broker checked it),
+/// which cannot be published again as a property.
 pub const USER_ID_HEADER: &str = "x-timeoutd-user-id";
-/// Headers of ours, removed from what the publisher sent.
+/// Headers of ours, removed from what the publisher sent, in any letter case.
 const OURS: &str = "x-timeoutd-";
-/// Longer delays are a publisher's mistake (and would overflow timestamps): held.
-const MAX_DELAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// The group's settings an arriving message is judged by.
 #[derive(Debug, Clone)]
 pub struct Rules {
-    pub target_exchange: String,
+    /// Where it may go (`delay.target_exchange`, `delay.allowed_exchanges`).
+    pub destinations: Destinations,
+    /// `delay.max_body`.
     pub max_body: usize,
+    /// `delay.max_delay`.
+    pub max_delay: Duration,
 }
 
-/// Read one arriving message (its routing key, properties and body).
-pub fn ingest(message: Message, rules: &Rules) -> Ingest {
+/// Read one arriving message (its routing key, properties and body); `now` bounds
+/// `x-timeoutd-deliver-at` by `max_delay`.
+pub fn ingest(message: Message, rules: &Rules, now: DateTime<Utc>) -> Ingest {
     let Message {
         mut routing_key,
         mut properties,
-        body,
+        mut body,
         ..
     } = message;
+    // The broker refuses a user_id that is not the publishing connection's own user.
+    let owner = properties.user_id.clone().unwrap_or_default();
     if let Some(id) = properties
         .header(CANCEL_HEADER)
         .and_then(Value::as_str)
         .filter(|id| !id.is_empty())
     {
-        return Ingest::Cancel(id.to_owned());
+        return Ingest::Cancel {
+            owner,
+            message_id: id.to_owned(),
+        };
     }
-    let mut problems = Vec::new();
-    let due = due(&properties).unwrap_or_else(|e| {
+    let mut problems: Vec<Problem> = Vec::new();
+    let due = due(&properties, rules, now).unwrap_or_else(|(due, e)| {
         problems.push(e);
-        Due::After(Duration::ZERO)
+        due
     });
-    let exchange = exchange(&properties, rules).unwrap_or_else(|e| {
+    let exchange = exchange(&properties, rules).unwrap_or_else(|(exchange, e)| {
         problems.push(e);
-        rules.target_exchange.clone()
+        exchange
     });
     if let Err(e) = short(&routing_key, "routing key") {
-        problems.push(e.0);
+        problems.push((Bound::BadInput, e.0));
     }
     if body.len() > rules.max_body {
-        problems.push(format!(
-            "body of {} bytes is larger than delay.max_body ({} bytes)",
-            body.len(),
-            rules.max_body
+        problems.push((
+            Bound::TooLarge,
+            format!(
+                "body of {} bytes is larger than delay.max_body ({} bytes): not stored",
+                body.len(),
+                rules.max_body
+            ),
         ));
+        body = Vec::new();
     }
     if let Some(v) = properties.header(CANCEL_HEADER) {
-        problems.push(format!("{CANCEL_HEADER} is not a message id: {v:?}"));
+        let e = format!("{CANCEL_HEADER} is not a message id: {v:?}");
+        problems.push((Bound::BadInput, e));
     }
     if without_nul(&mut routing_key) | without_nul_in(&mut properties) {
-        problems.push("NUL characters (which Postgres text cannot hold) replaced".to_owned());
+        let e = "NUL characters (which Postgres text cannot hold) replaced".to_owned();
+        problems.push((Bound::BadInput, e));
     }
     let message_id = properties
         .message_id
@@ -81,21 +100,40 @@ pub fn ingest(message: Message, rules: &Rules) -> Ingest {
     properties.message_id = Some(message_id.clone());
     strip_ours(&mut properties.headers);
     let properties = serde_json::to_string(&properties).unwrap_or_else(|e| {
-        problems.push(format!("properties cannot be stored: {e}"));
+        problems.push((Bound::BadInput, format!("properties cannot be stored: {e}")));
         "{}".to_owned()
     });
+    let held = problems.iter().map(|(b, _)| *b).max().map(|bound| Held {
+        why: problems
+            .iter()
+            .map(|(_, why)| why.as_str())
+            .collect::<Vec<_>>()
+            .join("; "),
+        bound,
+    });
     Ingest::Store(Box::new(Stored {
+        owner,
         message_id,
         due,
         exchange,
         routing_key,
         properties,
         body,
-        held: (!problems.is_empty()).then(|| problems.join("; ")),
+        held,
     }))
 }
 
-fn due(p: &Properties) -> Result<Due, String> {
+/// When it is due; `Err` says why it is held, with the due time to store it with (one
+/// Postgres can hold).
+fn due(p: &Properties, rules: &Rules, now: DateTime<Utc>) -> Result<Due, (Due, Problem)> {
+    let at_once = Due::After(Duration::ZERO);
+    let far = |what: String| {
+        let why = format!(
+            "{what} is later than delay.max_delay ({}) allows",
+            humantime::format_duration(rules.max_delay)
+        );
+        (Bound::TooLate, why)
+    };
     if let Some(v) = p.header(DELIVER_AT_HEADER) {
         let at = v
             .as_str()
@@ -103,33 +141,56 @@ fn due(p: &Properties) -> Result<Due, String> {
             .map(|at| at.with_timezone(&Utc))
             // Postgres holds 4713 BC to 294276 AD; outside 1..=9999 is a mistake anyway.
             .filter(|at| (1..=9999).contains(&at.year()))
-            .ok_or_else(|| format!("{DELIVER_AT_HEADER} is not an RFC 3339 time: {v:?}"))?;
+            .ok_or_else(|| {
+                let e = format!("{DELIVER_AT_HEADER} is not an RFC 3339 time: {v:?}");
+                (at_once, (Bound::BadInput, e))
+            })?;
+        let ahead = (at - now).to_std().unwrap_or_default();
+        if ahead > rules.max_delay {
+            return Err((Due::At(at), far(format!("{DELIVER_AT_HEADER} {at}"))));
+        }
         return Ok(Due::At(at));
     }
     let Some(v) = p.header(DELAY_HEADER) else {
-        return Ok(Due::After(Duration::ZERO));
+        return Ok(at_once);
     };
-    let ms = v
-        .as_integer()
-        .ok_or_else(|| format!("{DELAY_HEADER} is not a whole number of milliseconds: {v:?}"))?;
+    let ms = v.as_integer().ok_or_else(|| {
+        let e = format!("{DELAY_HEADER} is not a whole number of milliseconds: {v:?}");
+        (at_once, (Bound::BadInput, e))
+    })?;
     let ms = u64::try_from(ms.max(0)).unwrap_or(u64::MAX);
     let delay = Duration::from_millis(ms);
-    if delay > MAX_DELAY {
-        return Err(format!("{DELAY_HEADER} of {ms} ms is more than 100 years"));
+    if delay > rules.max_delay {
+        // Stored as due at the bound, should an operator release it.
+        return Err((
+            Due::After(rules.max_delay),
+            far(format!("{DELAY_HEADER} of {ms} ms")),
+        ));
     }
     Ok(Due::After(delay))
 }
 
-fn exchange(p: &Properties, rules: &Rules) -> Result<String, String> {
+/// Where it goes; `Err` says why it is held, with the exchange to store.
+fn exchange(p: &Properties, rules: &Rules) -> Result<String, (String, Problem)> {
+    let target = rules.destinations.target();
     let Some(v) = p.header(EXCHANGE_HEADER) else {
-        return Ok(rules.target_exchange.clone());
+        return Ok(target.to_owned());
     };
-    let name = v
-        .as_str()
-        .ok_or_else(|| format!("{EXCHANGE_HEADER} is not a string: {v:?}"))?;
-    short(name, "exchange name").map_err(|e| e.0)?;
+    let name = v.as_str().ok_or_else(|| {
+        let e = format!("{EXCHANGE_HEADER} is not a string: {v:?}");
+        (target.to_owned(), (Bound::BadInput, e))
+    })?;
+    short(name, "exchange name").map_err(|e| (target.to_owned(), (Bound::BadInput, e.0)))?;
+    // Kept as named (held), so an operator sees where it wanted to go.
+    rules
+        .destinations
+        .check(name)
+        .map_err(|e| (name.to_owned(), (Bound::NotAllowed, e)))?;
     Ok(name.to_owned())
 }
+
+/// Why a message is held, and what it is counted as.
+type Problem = (Bound, String);
 
 /// Replace NUL characters, which Postgres text cannot hold; true if there were any.
 fn without_nul(s: &mut String) -> bool {
@@ -169,13 +230,36 @@ fn without_nul_in(p: &mut Properties) -> bool {
     found
 }
 
-/// Drop `x-delay` and every `x-timeoutd-*` header: they were instructions to us.
+/// Drop `x-delay` and every `x-timeoutd-*` header, in any letter case: they were
+/// instructions to us (read in exact case only, as the plugin reads `x-delay`), or a
+/// publisher's attempt to speak for timeoutd to consumers that compare names without
+/// case.
 fn strip_ours(headers: &mut Vec<(String, Value)>) {
-    headers.retain(|(k, _)| k != DELAY_HEADER && !k.starts_with(OURS));
+    headers.retain(|(k, _)| !is_ours(k));
 }
 
-/// The message a due row becomes: as it was published, plus how long it was held and
-/// who sent it.
+/// `x-delay`, or a name starting `x-timeoutd-`, in any letter case; also with non-ASCII
+/// letters that case-insensitive comparisons take for ASCII ones (`ı`, `ſ`, `K`, `İ`).
+pub fn is_ours(name: &str) -> bool {
+    let folded: String = name.chars().map(fold).collect();
+    folded.starts_with(OURS) || folded == DELAY_HEADER
+}
+
+/// A letter as a case-insensitive comparison may see it: ASCII lowercase, or the ASCII
+/// letter Unicode's case mapping makes of it.
+fn fold(c: char) -> char {
+    if c.is_ascii() {
+        return c.to_ascii_lowercase();
+    }
+    c.to_uppercase()
+        .chain(c.to_lowercase())
+        .find(char::is_ascii_alphabetic)
+        .map_or(c, |a| a.to_ascii_lowercase())
+}
+
+/// The message a due row becomes: as it was published, plus how long it was held, who
+/// sent it and who published it (its owner). Where it may go is not judged here (see
+/// [`Destinations`]).
 pub fn delivery(row: &DelayedRow, node: Uuid) -> Result<Message, Invalid> {
     let mut properties: Properties = serde_json::from_str(&row.properties)
         .map_err(|e| Invalid(format!("stored properties are not readable: {e}")))?;
@@ -190,10 +274,12 @@ pub fn delivery(row: &DelayedRow, node: Uuid) -> Result<Message, Invalid> {
         super::timeout::NODE_HEADER.to_owned(),
         Value::Str(node.to_string()),
     ));
-    if let Some(user) = properties.user_id.take() {
+    // Never republished as a property: the broker takes only our own user there.
+    properties.user_id = None;
+    if !row.owner.is_empty() {
         properties
             .headers
-            .push((USER_ID_HEADER.to_owned(), Value::Str(user)));
+            .push((USER_ID_HEADER.to_owned(), Value::Str(row.owner.clone())));
     }
     Ok(Message {
         exchange: row.exchange.clone(),

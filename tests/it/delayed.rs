@@ -13,13 +13,18 @@ use timeoutd::election::Role;
 
 use crate::common::{Inbox, World, amqp, wait_for, wait_for_async};
 
-/// A world whose delayed messages go to a target exchange of its own.
+/// A world whose delayed messages go to a target exchange of its own, or to any `t.*`.
 pub async fn delayed_world() -> (World, String) {
     let mut world = World::new().await;
     let target = format!("t.delayed.{}", world.group);
     world.overrides.push((
         "TIMEOUTD__DELAY__TARGET_EXCHANGE".to_owned(),
         target.clone(),
+    ));
+    // The other exchanges the tests send to (t.other.<group>, t.missing.<group>).
+    world.overrides.push((
+        "TIMEOUTD__DELAY__ALLOWED_EXCHANGES".to_owned(),
+        "t.*".to_owned(),
     ));
     world.migrate().await;
     (world, target)
@@ -368,6 +373,21 @@ async fn cancel_by_sql_cli_and_message() {
     world.cleanup().await;
 }
 
+/// Owners whose stored messages the usage ledger (migration 0007) counts wrongly.
+pub async fn usage_drift(world: &World) -> i64 {
+    let sql = format!(
+        "SELECT count(*) FROM (SELECT owner, sum(messages) AS n FROM {s}.delayed_usage \
+         GROUP BY owner) AS u FULL JOIN (SELECT owner, count(*) AS n \
+         FROM {s}.delayed_messages GROUP BY owner) AS m USING (owner) \
+         WHERE coalesce(u.n, 0) <> coalesce(m.n, 0)",
+        s = world.schema
+    );
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .fetch_one(&world.pool)
+        .await
+        .expect("usage")
+}
+
 pub async fn count(world: &World, filter: &str) -> i64 {
     let sql = format!(
         "SELECT count(*) FROM {}.delayed_messages WHERE {filter}",
@@ -384,7 +404,8 @@ pub async fn count(world: &World, filter: &str) -> i64 {
 /// through the daemon's own insert first, then published as the redelivery would be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivered_message_is_stored_and_delivered_once() {
-    use timeoutd::wire::delayed::{Rules, ingest};
+    use timeoutd::store::Quota;
+    use timeoutd::wire::delayed::ingest;
     use timeoutd::wire::{Message, Properties, Value};
     let (world, target) = delayed_world().await;
     let inbox = Inbox::on_exchange(&target, "#").await;
@@ -401,12 +422,13 @@ async fn a_redelivered_message_is_stored_and_delivered_once() {
         },
         body: b"once".to_vec(),
     };
-    let rules = Rules {
-        target_exchange: target.clone(),
-        max_body: 1 << 20,
-    };
+    let rules = world.settings().delay_rules().expect("rules");
     let stored = store
-        .ingest(&[ingest(first, &rules)], std::time::Duration::from_secs(60))
+        .ingest(
+            &[ingest(first, &rules, Utc::now())],
+            std::time::Duration::from_secs(60),
+            Quota::NONE,
+        )
         .await
         .expect("stored before the crash");
     assert_eq!(stored.stored, 1);
@@ -535,6 +557,12 @@ async fn cancel_messages_are_exact_with_three_consuming_nodes() {
         );
     }
     assert_eq!(count(&world, "true").await, 0, "nothing left pending");
+    // Three nodes stored, cancelled, folded and fired concurrently: the ledger still adds up.
+    assert_eq!(
+        usage_drift(&world).await,
+        0,
+        "usage ledger agrees with the table"
+    );
     let remembered: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT count(*) FROM {}.delayed_cancels WHERE expires_at > now()",
         world.schema

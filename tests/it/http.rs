@@ -163,9 +163,14 @@ async fn metrics_and_status_follow_role_changes_and_firing() {
 /// pending counts), a row the process manager's foreign key keeps (parked).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_documented_series_moves_after_its_event() {
-    let world = World::new().await;
+    let mut world = World::new().await;
+    let out = format!("t.out.{}", world.group);
+    world
+        .overrides
+        .push(("TIMEOUTD__DELAY__ALLOWED_EXCHANGES".to_owned(), out.clone()));
     world.migrate().await;
     let inbox = Inbox::new().await;
+    inbox.bind_new_exchange(&out, &inbox.queue).await;
     let node = world.start().await;
     let addr = node.http_addr;
     wait_for(Duration::from_secs(5), "active", || {
@@ -182,7 +187,7 @@ async fn every_documented_series_moves_after_its_event() {
         .expect(&Expectation::new("nowhere", "Reply", &nowhere))
         .await;
     crate::bad_input::publish_junk(&world.group, &[(None, b"{not json".to_vec())]).await;
-    delayed_events(&world, &inbox.queue, addr).await;
+    delayed_events(&world, &out, &inbox.queue, addr).await;
     let by_label = [
         ("timeoutd_fired_total{", "kind=\"delayed\"", 1.0),
         ("timeoutd_fired_total{", "kind=\"expectation\"", 4.0),
@@ -270,11 +275,11 @@ fn labelled(text: &str, name: &str, label: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// Delayed messages: one delivered (to `queue`, through the default exchange), one held
+/// Delayed messages: one delivered (to `queue`, through the allowed exchange `out`), one held
 /// (junk `x-delay`), one published twice while pending (a duplicate) and then cancelled.
 /// The cancel waits until the duplicate was counted: ingest batches run concurrently, and
 /// a cancel stored first makes both copies `arrived_cancelled` instead.
-async fn delayed_events(world: &World, queue: &str, addr: std::net::SocketAddr) {
+async fn delayed_events(world: &World, out: &str, queue: &str, addr: std::net::SocketAddr) {
     use lapin::BasicProperties;
     use lapin::types::{AMQPValue, LongString};
 
@@ -282,7 +287,7 @@ async fn delayed_events(world: &World, queue: &str, addr: std::net::SocketAddr) 
     let (_conn, ch) = publisher().await;
     let now = headers(vec![(
         "x-timeoutd-exchange",
-        AMQPValue::LongString(LongString::from("")),
+        AMQPValue::LongString(LongString::from(out)),
     )]);
     let out = BasicProperties::default().with_headers(now);
     publish(&ch, &world.ingress(), queue, out, b"delayed").await;

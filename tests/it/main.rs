@@ -20,6 +20,7 @@ mod on_time;
 mod principals;
 mod proxy;
 mod tls;
+mod trust_delay;
 mod trust_election;
 mod trust_grants;
 mod unroutable;

@@ -2,9 +2,21 @@ use super::*;
 
 fn rules() -> Rules {
     Rules {
-        target_exchange: "timeoutd.delayed".into(),
+        destinations: Destinations::new(Names {
+            target: "timeoutd.delayed",
+            allowed: &["orders".to_owned(), "team.*".to_owned()],
+            announce: "timeoutd.announcements",
+            ingress_template: "timeoutd.delay.{group}",
+            ingress: "timeoutd.delay.g",
+        })
+        .expect("valid"),
         max_body: 10,
+        max_delay: Duration::from_secs(3600),
     }
+}
+
+fn now() -> DateTime<Utc> {
+    "2030-01-01T00:00:00Z".parse().expect("time")
 }
 
 fn arriving(headers: Vec<(&str, Value)>, body: &[u8]) -> Message {
@@ -29,7 +41,7 @@ fn props(s: &Stored) -> Properties {
 }
 
 fn stored(m: Message) -> Stored {
-    match ingest(m, &rules()) {
+    match ingest(m, &rules(), now()) {
         Ingest::Store(s) => *s,
         other => panic!("not stored: {other:?}"),
     }
@@ -86,11 +98,18 @@ fn bad_input_is_kept_and_held_with_every_reason() {
         ],
         b"more than ten bytes",
     ));
-    let why = s.held.expect("held");
+    let held = s.held.expect("held");
+    let why = &held.why;
     assert!(why.contains("x-delay"), "{why}");
     assert!(why.contains("x-timeoutd-exchange"), "{why}");
     assert!(why.contains("delay.max_body"), "{why}");
-    assert_eq!(s.body, b"more than ten bytes");
+    assert!(why.contains("19 bytes"), "{why}");
+    assert_eq!(
+        held.bound,
+        Bound::TooLarge,
+        "counted under the weightiest bound"
+    );
+    assert!(s.body.is_empty(), "a body over max_body is not stored");
     for bad in [Value::F64(1.5f64.to_bits()), Value::I64(i64::MAX)] {
         assert!(stored(arriving(vec![("x-delay", bad)], b"")).held.is_some());
     }
@@ -130,7 +149,13 @@ fn a_message_without_id_gets_one_it_keeps() {
 #[test]
 fn a_cancel_names_the_message_id() {
     let m = arriving(vec![("x-timeoutd-cancel", Value::Str("m-9".into()))], b"");
-    assert_eq!(ingest(m, &rules()), Ingest::Cancel("m-9".into()));
+    assert_eq!(
+        ingest(m, &rules(), now()),
+        Ingest::Cancel {
+            owner: String::new(),
+            message_id: "m-9".into()
+        }
+    );
     let bad = arriving(vec![("x-timeoutd-cancel", Value::I32(9))], b"");
     assert!(stored(bad).held.is_some());
 }
@@ -146,6 +171,7 @@ fn delivery_restores_the_message_and_says_how_long_it_was_held() {
     let created_at: DateTime<Utc> = "2030-01-01T00:00:00Z".parse().expect("time");
     let row = DelayedRow {
         id: Uuid::new_v4(),
+        owner: "alice".into(),
         message_id: "m-1".into(),
         deliver_at: created_at,
         exchange: "orders".into(),
@@ -179,5 +205,136 @@ fn delivery_restores_the_message_and_says_how_long_it_was_held() {
     assert_eq!(
         m.properties.header("x-timeoutd-node"),
         Some(&Value::Str(node.to_string()))
+    );
+}
+
+#[test]
+fn an_exchange_not_allowed_is_stored_held_as_named() {
+    let to = |x: &str| arriving(vec![("x-timeoutd-exchange", Value::Str(x.into()))], b"");
+    for ok in ["orders", "team.eu", "timeoutd.delayed"] {
+        let s = stored(to(ok));
+        assert_eq!((s.exchange.as_str(), s.held), (ok, None));
+    }
+    for no in [
+        "",
+        "amq.topic",
+        "timeoutd.announcements",
+        "timeoutd.delay.g",
+        "timeoutd.delay.other",
+        "other.team",
+    ] {
+        let s = stored(to(no));
+        assert_eq!(s.exchange, no, "kept as named");
+        let held = s.held.expect("held");
+        assert_eq!(held.bound, Bound::NotAllowed, "{no}");
+        assert!(held.why.contains(&format!("{no:?}")), "{}", held.why);
+    }
+}
+
+#[test]
+fn a_delay_beyond_max_delay_is_held_due_at_the_bound() {
+    let s = stored(arriving(vec![("x-delay", Value::I64(3_600_001))], b""));
+    let held = s.held.expect("held");
+    assert_eq!(held.bound, Bound::TooLate);
+    assert!(held.why.contains("delay.max_delay"), "{}", held.why);
+    assert_eq!(s.due, Due::After(Duration::from_secs(3600)));
+    let ok = stored(arriving(vec![("x-delay", Value::I64(3_600_000))], b""));
+    assert_eq!(ok.held, None);
+    for (at, held) in [
+        ("2030-01-01T01:00:00Z", false),
+        ("2030-01-01T01:00:01Z", true),
+    ] {
+        let s = stored(arriving(
+            vec![("x-timeoutd-deliver-at", Value::Str(at.into()))],
+            b"",
+        ));
+        assert_eq!(s.held.is_some(), held, "{at}");
+    }
+    let huge = stored(arriving(vec![("x-delay", Value::I64(i64::MAX))], b""));
+    assert_eq!(huge.held.map(|h| h.bound), Some(Bound::TooLate));
+}
+
+#[test]
+fn the_owner_is_the_user_id() {
+    let mut m = arriving(vec![], b"");
+    m.properties.user_id = Some("alice".into());
+    assert_eq!(stored(m).owner, "alice");
+    assert_eq!(stored(arriving(vec![], b"")).owner, "");
+    let mut cancel = arriving(vec![("x-timeoutd-cancel", Value::Str("m-1".into()))], b"");
+    cancel.properties.user_id = Some("bob".into());
+    assert_eq!(
+        ingest(cancel, &rules(), now()),
+        Ingest::Cancel {
+            owner: "bob".into(),
+            message_id: "m-1".into()
+        }
+    );
+}
+
+/// A publisher's identity headers, in any letter case, never reach the consumer; nor do
+/// instruction headers in another case, which are not read either.
+#[test]
+fn our_headers_are_removed_in_any_letter_case() {
+    let spoofs = [
+        "X-Timeoutd-User-Id",
+        "X-TIMEOUTD-NODE",
+        "x-timeoutd-delayed-ms",
+        "x-TimeoutD-anything",
+        "X-Delay",
+        "X-TIMEOUTD-EXCHANGE",
+        "x-tımeoutd-user-id",
+        "x-timeoutd-uſer-id",
+        "X-TİMEOUTD-NODE",
+    ];
+    let mut headers: Vec<(&str, Value)> = spoofs
+        .iter()
+        .map(|k| (*k, Value::Str("admin".into())))
+        .collect();
+    headers.push(("x-delayed", Value::I8(1)));
+    headers.push(("x-timeoutd", Value::I8(2)));
+    let s = stored(arriving(headers, b""));
+    assert_eq!(s.held, None);
+    assert_eq!(s.due, Due::After(Duration::ZERO), "X-Delay is not read");
+    assert_eq!(
+        s.exchange, "timeoutd.delayed",
+        "X-TIMEOUTD-EXCHANGE is not read"
+    );
+    let names: Vec<String> = props(&s).headers.into_iter().map(|(k, _)| k).collect();
+    assert_eq!(names, ["x-delayed", "x-timeoutd"]);
+    let row = DelayedRow {
+        id: Uuid::new_v4(),
+        owner: String::new(),
+        message_id: "m".into(),
+        deliver_at: now(),
+        exchange: "orders".into(),
+        routing_key: "k".into(),
+        // As an earlier version might have stored it.
+        properties: serde_json::to_string(&Properties {
+            headers: spoofs
+                .iter()
+                .map(|k| ((*k).to_owned(), Value::Str("admin".into())))
+                .collect(),
+            ..Properties::default()
+        })
+        .expect("json"),
+        body: Some(Vec::new()),
+        body_bytes: 0,
+        attempts: 0,
+        created_at: now(),
+        due_at: now(),
+        fired_at: now(),
+        window_end: now(),
+    };
+    let m = delivery(&row, Uuid::nil()).expect("valid");
+    let names: Vec<&str> = m
+        .properties
+        .headers
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [DELAYED_MS_HEADER, "x-timeoutd-node"],
+        "anonymous: no user id"
     );
 }
