@@ -7,6 +7,7 @@ topic exchange the daemon declares) with one of these headers:
   x-delay: <ms>                    hold it this many milliseconds (as with the plugin)
   x-timeoutd-deliver-at: <time>    or deliver it at this RFC 3339 instant (wins)
   x-timeoutd-exchange: <name>      deliver to this exchange, not ``timeoutd.delayed``
+                                   (one the daemons allow: delay.allowed_exchanges)
   x-timeoutd-cancel: <message_id>  drop the pending message with this message_id
 
 timeoutd stores it in Postgres and, when due, publishes it with its routing key, body and

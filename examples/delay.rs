@@ -37,7 +37,8 @@ struct Args {
     routing_key: String,
     #[arg(long, default_value = "hello")]
     body: String,
-    /// x-timeoutd-exchange: deliver here instead of timeoutd.delayed.
+    /// x-timeoutd-exchange: deliver here instead of timeoutd.delayed (an exchange the
+    /// daemons allow: delay.allowed_exchanges).
     #[arg(long)]
     exchange: Option<String>,
     /// Default: a random UUID.
