@@ -1,5 +1,7 @@
 //! The operator endpoints on `http.listen`: `/healthz` (liveness), `/readyz`
-//! (readiness), `/status` (JSON snapshot). One small axum server, stopped with the daemon.
+//! (readiness), `/status` (JSON snapshot), `/metrics`. One small axum server, stopped
+//! with the daemon. Every answer comes from what the node already knows (`Probe`): no
+//! request, however many, reaches the database or the broker.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -60,7 +62,7 @@ async fn healthz(State(probe): State<Arc<Probe>>) -> Response {
 }
 
 async fn readyz(State(probe): State<Arc<Probe>>) -> Response {
-    match probe.not_ready().await {
+    match probe.not_ready() {
         None => (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response(),
         Some(reason) => unavailable(&reason),
     }
@@ -70,11 +72,8 @@ async fn status(State(probe): State<Arc<Probe>>) -> Json<Snapshot> {
     Json(probe.snapshot())
 }
 
-/// Connection state and pending counts are measured at scrape time (bounded), so the
-/// numbers are fresh and nothing polls the database between scrapes.
 async fn metrics(State(probe): State<Arc<Probe>>) -> Response {
-    let postgres_ok = probe.refresh_pending().await;
-    let body = probe.metrics.render(postgres_ok);
+    let body = probe.metrics_text();
     let content_type = [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)];
     (StatusCode::OK, content_type, body).into_response()
 }
