@@ -32,6 +32,8 @@ const MAX_ANSWER: usize = 1 << 20;
 
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct ScrapeFlood {
+    /// Rows due in an hour in the table throughout.
+    pub(crate) backlog: usize,
     pub(crate) quiet: FloodCase,
     pub(crate) flooded: FloodCase,
 }
@@ -97,17 +99,42 @@ impl Answers {
     }
 }
 
-/// The steady load at `rate`/s for `secs`, once quiet and once under `scrapers` clients.
+/// The steady load of `plan`, once quiet and once under its scrapers, with its backlog
+/// of rows due in an hour in the table (what a process manager with long timeouts
+/// holds: what a count has to count), removed afterwards.
 pub(crate) async fn scrape_flood(
     env: &Env,
     daemon: &mut Daemon,
-    rate: u32,
-    secs: u64,
-    scrapers: usize,
+    plan: FloodPlan,
 ) -> Result<ScrapeFlood> {
-    let quiet = flood_case(env, daemon, rate, secs, 0).await?;
-    let flooded = flood_case(env, daemon, rate, secs, scrapers).await?;
-    Ok(ScrapeFlood { quiet, flooded })
+    let backlog = fresh_ids(plan.backlog);
+    let later = Utc::now() + chrono::Duration::hours(1);
+    let mut conn = env.pool.acquire().await?;
+    insert_due(
+        &mut conn,
+        &env.table(),
+        &env.queue,
+        &backlog,
+        Deadline::At(Some(later)),
+    )
+    .await?;
+    env.execute(format!("ANALYZE {}", env.table())).await?;
+    let cases = async {
+        let quiet = flood_case(env, daemon, plan.rate, plan.secs, 0).await?;
+        let flooded = flood_case(env, daemon, plan.rate, plan.secs, plan.scrapers).await?;
+        Ok(ScrapeFlood {
+            backlog: plan.backlog,
+            quiet,
+            flooded,
+        })
+    };
+    let outcome = cases.await;
+    let sql = format!("DELETE FROM {} WHERE id = ANY($1)", env.table());
+    sqlx::query(AssertSqlSafe(sql))
+        .bind(&backlog)
+        .execute(&mut *conn)
+        .await?;
+    outcome
 }
 
 async fn flood_case(
@@ -285,8 +312,10 @@ pub(crate) fn flood_lines(f: &ScrapeFlood) -> Vec<Line> {
         let s = &case.steady;
         let name = |what: &str| {
             format!(
-                "scrape flood, {} scrapers, steady {}/s: {what}",
-                case.scrapers, s.rate
+                "scrape flood, {} scrapers, steady {}/s, {} pending: {what}",
+                case.scrapers,
+                s.rate,
+                human(f.backlog as u64)
             )
         };
         lines.push(line(

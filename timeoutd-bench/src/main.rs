@@ -23,8 +23,9 @@
 //! 7. scrape flood (unless `--scrape-flood-secs 0`): a steady load of its own, once with
 //!    only a readiness prober (`GET /readyz` every 100 ms, 1 s to answer, as a kubelet
 //!    probes), once with `--scrapers` clients (300) asking for `/metrics`, `/readyz` and
-//!    `/status` in turn on kept-alive connections as fast as they are answered: lateness
-//!    and the share of probes answered 200 in both; `--only-scrape-flood` runs this
+//!    `/status` in turn on kept-alive connections as fast as they are answered, with
+//!    `--scrape-flood-backlog` rows (100k) due in an hour in the table: lateness and the
+//!    share of probes answered 200 in both; `--only-scrape-flood` runs this
 //!    phase alone (daemon start, the two cases, stop), `--runs` times;
 //!    then idle RSS again, the daemon stopped (SIGTERM);
 //! 8. delayed messages (unless `--no-delayed`), with daemons of their own: ingest
@@ -165,6 +166,10 @@ pub(crate) struct Args {
     /// Concurrent clients in the flooded case of the scrape-flood phase.
     #[arg(long, default_value_t = 300)]
     pub(crate) scrapers: usize,
+    /// Rows due in an hour kept in the table during the scrape-flood phase (what a count
+    /// of the pending rows has to count).
+    #[arg(long, default_value_t = 100_000)]
+    pub(crate) scrape_flood_backlog: usize,
     /// Run only the scrape-flood phase (daemon start, quiet and flooded case, stop).
     #[arg(long)]
     pub(crate) only_scrape_flood: bool,
@@ -212,6 +217,7 @@ pub(crate) struct FloodPlan {
     pub(crate) secs: u64,
     pub(crate) rate: u32,
     pub(crate) scrapers: usize,
+    pub(crate) backlog: usize,
 }
 
 impl Plan {
@@ -251,6 +257,7 @@ impl Plan {
             secs: flood_secs,
             rate: args.scrape_flood_rate,
             scrapers: args.scrapers,
+            backlog: args.scrape_flood_backlog,
         });
         if scrape_flood.is_some() && (args.scrape_flood_rate == 0 || args.scrapers == 0) {
             bail!("--scrape-flood-rate and --scrapers must be greater than 0");
@@ -333,6 +340,7 @@ async fn only_scrape_flood(
     for n in 1..=runs {
         println!("== run {n} of {runs}");
         let env = Env::setup(args, daemon_bin.clone()).await?;
+        println!("timeoutd-bench: schema {}, group {}", env.schema, env.group);
         let outcome = tokio::select! {
             r = flood_run(&env, plan) => r,
             _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
@@ -355,11 +363,7 @@ async fn only_scrape_flood(
 
 async fn flood_run(env: &Env, plan: FloodPlan) -> Result<ScrapeFlood> {
     let mut daemon = phase("daemon start", Daemon::start(env)).await?;
-    let flood = phase(
-        "scrape flood",
-        scrape_flood(env, &mut daemon, plan.rate, plan.secs, plan.scrapers),
-    )
-    .await?;
+    let flood = phase("scrape flood", scrape_flood(env, &mut daemon, plan)).await?;
     daemon.stop().await?;
     Ok(flood)
 }
@@ -432,13 +436,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let idle_after = daemon.memory()?;
     let scrape_flood = match plan.scrape_flood {
-        Some(f) => Some(
-            phase(
-                "scrape flood",
-                scrape_flood(env, &mut daemon, f.rate, f.secs, f.scrapers),
-            )
-            .await?,
-        ),
+        Some(f) => Some(phase("scrape flood", scrape_flood(env, &mut daemon, f)).await?),
         None => None,
     };
     let catch_up = match plan.catch_up {
