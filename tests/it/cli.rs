@@ -243,7 +243,9 @@ async fn operator_output_escapes_control_characters_from_rows() {
         ))
         .await;
     let other = format!("{NASTY}-not-stored");
-    let runs: [(&[&str], &[(&str, &str)]); 5] = [
+    /// A command line and its extra environment.
+    type Run<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+    let runs: [Run; 5] = [
         (&["pending", "--list"], &[]),
         (&["pending", "--failing"], &[]),
         (&["pending", "--list", "--json"], &[]),
