@@ -26,6 +26,11 @@ async fn invalid_config_exits_2_naming_the_key() {
         ),
         ("TIMEOUTD__POSTGRES__SCHEMA", "bad-name", "postgres.schema"),
         ("TIMEOUTD__SCAN__BATCH_SIZE", "0", "scan.batch_size"),
+        (
+            "TIMEOUTD__HTTP__PENDING_REFRESH",
+            "10ms",
+            "http.pending_refresh",
+        ),
     ];
     for (var, value, key) in cases {
         for cmd in ["run", "check-config"] {
