@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::common::{Inbox, Proc, World, wait_for, wait_for_async};
 use crate::http::get;
+use crate::principals::ctl;
 
 pub fn timeoutd(world: &World, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
@@ -287,7 +288,7 @@ fn sql_literal(s: &str) -> String {
 }
 
 /// A broker user of the test's own, with every right on the suite's vhost (what a
-/// daemon needs there); [`ctl`] deletes it with `delete_user`.
+/// daemon needs there); `ctl(&["delete_user", …])` deletes it.
 async fn broker_user(password: &str) -> String {
     let name = format!("secret-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let url = url::Url::parse(&crate::common::amqp_url()).expect("amqp url");
@@ -303,16 +304,6 @@ fn percent_decode(s: &str) -> String {
         .next()
         .map(|(_, v)| v.into_owned())
         .unwrap_or_default()
-}
-
-async fn ctl(args: &[&str]) {
-    let out = crate::common::rabbitmqctl()
-        .arg("-q")
-        .args(args)
-        .output()
-        .await
-        .expect("rabbitmqctl runs");
-    assert!(out.status.success(), "rabbitmqctl {args:?}: {out:?}");
 }
 
 /// Every way a log line could carry `secret`: as is, percent-encoded (as in a URL), as a

@@ -3,10 +3,10 @@
 //! `/readyz` and `/status` as fast as they are answered (contract section 8: observing
 //! cannot harm).
 //!
-//! The scrapers run on a thread and a runtime of their own, so that they compete with
-//! the daemon for the machine's CPUs as remote scrapers would with its host, and not
-//! with this program's consumer for its runtime's turns (its receipt times are the
-//! lateness measured).
+//! The scrapers run on a thread and a runtime of their own, at the lowest priority:
+//! stand-ins for scrapers on other machines, they must not compete with this program's
+//! consumer for its runtime's turns (its receipt times are the lateness measured), nor,
+//! more than they must, with the daemon, the broker and the database for the CPUs.
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -204,7 +204,10 @@ impl Flood {
             .context("a runtime for the scrapers")?;
         let thread = std::thread::Builder::new()
             .name("scrapers".into())
-            .spawn(move || runtime.block_on(scrape_all(addr, scrapers, stopped)))
+            .spawn(move || {
+                lowest_priority();
+                runtime.block_on(scrape_all(addr, scrapers, stopped))
+            })
             .context("a thread for the scrapers")?;
         Ok(Self {
             thread: Some(thread),
@@ -221,6 +224,18 @@ impl Flood {
             .map_err(|_| anyhow!("a scraper panicked"))?
     }
 }
+
+/// Nice 19 for the calling thread (best effort: a flood at normal priority still runs).
+#[cfg(target_os = "linux")]
+fn lowest_priority() {
+    let me = rustix::thread::gettid();
+    if let Err(e) = rustix::process::setpriority_process(Some(me), 19) {
+        eprintln!("warning: the scrapers run at normal priority: {e}");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn lowest_priority() {}
 
 async fn scrape_all(
     addr: SocketAddr,
