@@ -141,7 +141,7 @@ impl Probe {
             Standing::Passing => {}
             Standing::Failing(for_) => {
                 return Some(format!(
-                    "postgres: the node's statements fail (for {:.1}s)",
+                    "postgres: the node's statements fail or do not answer (for {:.1}s)",
                     for_.as_secs_f64()
                 ));
             }
