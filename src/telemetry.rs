@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer;
-use tracing_subscriber::filter::{FilterExt, LevelFilter, Targets};
+use tracing_subscriber::filter::{LevelFilter, Targets};
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -44,7 +44,6 @@ pub fn init(format: LogFormat) {
     let caps = Targets::new()
         .with_default(LevelFilter::TRACE)
         .with_targets(SECRET_CAPS);
-    let filter = asked.and(caps);
     let layer = tracing_subscriber::fmt::layer();
     let layer = match format {
         LogFormat::Json => layer
@@ -59,8 +58,13 @@ pub fn init(format: LogFormat) {
             .with_writer(Escaping::new(std::io::stderr, Spelling::Rust))
             .boxed(),
     };
+    // Global filters, each a layer of its own: an event must pass both. (As one per-layer
+    // filter, `asked.and(caps)`, events went missing under load: a node's "role changed",
+    // a row's "not published".)
     let _ = tracing_subscriber::registry()
-        .with(layer.with_filter(filter))
+        .with(asked)
+        .with(caps)
+        .with(layer)
         .try_init();
 }
 

@@ -368,19 +368,25 @@ async fn no_password_in_any_output_even_at_trace_level() {
     for (n, format) in ["text", "json"].into_iter().enumerate() {
         let e = timeoutd::client::Expectation::new(&format!("p-{n}"), "Reply", &inbox.queue);
         world.expect(&e).await;
-        let nasty = timeoutd::client::Expectation::new("nasty", "Reply", "k").exchange(NASTY);
-        world.expect(&nasty).await;
-        let fired_and_failed =
-            || async { inbox.len() > n && world.count("attempts > 0").await > n as i64 };
+        let nasty = format!("nasty-{n}");
+        let row = timeoutd::client::Expectation::new(&nasty, "Reply", "k").exchange(NASTY);
+        world.expect(&row).await;
+        let failed = format!("process_id = '{nasty}' AND attempts > 0");
+        let fired_and_failed = || async { inbox.len() > n && world.count(&failed).await == 1 };
         let (stdout, stderr) = run_until(&world, format, fired_and_failed).await;
         let what = format!("run ({format} logs)");
         assert_no_secret(&what, &stdout, &secrets);
         assert_no_secret(&what, &stderr, &secrets);
         let log = String::from_utf8_lossy(&stderr);
         assert!(log.contains("TRACE"), "{what}: at trace level");
+        let warnings: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .collect();
         assert!(
             log.contains("not published"),
-            "{what}: the nasty row's warning"
+            "{what}: the nasty row's warning; warnings and errors:\n{}",
+            warnings.join("\n")
         );
         assert_eq!(raw_controls(&log), Vec::<char>::new(), "{what}");
     }
