@@ -51,20 +51,32 @@ FROM ${RUNTIME_IMAGE} AS runtime
 
 # rustls is used for TLS (no OpenSSL); ca-certificates for the native roots,
 # curl for the compose healthcheck (GET /healthz).
+# No setuid or setgid program stays (the base image ships su, mount, passwd, …): the
+# daemon runs as 10001 and never needs to gain privileges, and such a program is the
+# usual next step of someone who got code running in the container. The build fails
+# if one is left.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates curl \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 timeoutd \
  && useradd --system --uid 10001 --gid 10001 --no-create-home \
-      --home-dir /nonexistent --shell /usr/sbin/nologin timeoutd
+      --home-dir /nonexistent --shell /usr/sbin/nologin timeoutd \
+ && find / -xdev -perm /6000 -type f -exec chmod a-s {} + \
+ && if find / -xdev -perm /6000 -type f | grep .; then \
+      echo "setuid/setgid programs left (above)" >&2; exit 1; \
+    fi
 
 COPY --from=builder /build/target/release/timeoutd /usr/local/bin/timeoutd
 # Demo only: prints the TimeOuts arriving on a queue (examples/consume.rs).
 COPY --from=builder /build/target/release/examples/consume /usr/local/bin/timeoutd-consume
 COPY --from=builder /build/config/default.toml /etc/timeoutd/default.toml
 
-# Listen on all interfaces inside the container (the built-in default is
-# loopback only, which would be unreachable through a published port).
+# Listen on all interfaces inside the container: the built-in default is loopback
+# only, which the kubelet's probes, Prometheus and a published port cannot reach. The
+# endpoints need no credentials and show the group, its members and its backlog: who
+# may reach the port is the deployment's to decide (compose publishes it on
+# 127.0.0.1 only; deploy/kubernetes/networkpolicy.yaml lets only the scraper's
+# namespace in).
 ENV TIMEOUTD__HTTP__LISTEN=0.0.0.0:9464
 EXPOSE 9464
 

@@ -203,6 +203,10 @@ pub struct Scan {
 #[serde(deny_unknown_fields)]
 pub struct Http {
     pub listen: String,
+    /// How often the pending gauges are counted, by one task on a connection of its own:
+    /// `/metrics` only ever shows the last counts (and their age).
+    #[serde(with = "humantime_serde")]
+    pub pending_refresh: Duration,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
@@ -362,6 +366,12 @@ impl Settings {
             100,
         )?;
         self.http_listen()?;
+        if !(MIN_PENDING_REFRESH..=MAX_PENDING_REFRESH).contains(&self.http.pending_refresh) {
+            return Err(ConfigError::invalid(
+                "http.pending_refresh",
+                "must be 100ms to 1h",
+            ));
+        }
         self.validate_delay()?;
         check_ca_file("amqp.ca_file", self.amqp.ca_file.as_deref())?;
         check_ca_file("postgres.ca_file", self.postgres.ca_file.as_deref())?;
@@ -662,6 +672,11 @@ const MAX_INGEST_CONCURRENCY: u8 = 16;
 const MAX_INGEST_LINGER: Duration = Duration::from_secs(1);
 /// Beyond this a notification lost to a silently dead LISTEN connection waits too long.
 const MAX_PROBE_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Counting the tables more often would be a scan loop of its own on the database.
+const MIN_PENDING_REFRESH: Duration = Duration::from_millis(100);
+/// Counts older than this tell an operator nothing about the backlog.
+const MAX_PENDING_REFRESH: Duration = Duration::from_secs(3600);
 
 fn check_range(key: &str, v: u32, min: u32, max: u32) -> Result<(), ConfigError> {
     if !(min..=max).contains(&v) {

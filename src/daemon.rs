@@ -1,6 +1,7 @@
-//! Start, supervise, stop: a daemon is four tasks — the node task (`node`: the election
+//! Start, supervise, stop: a daemon is five tasks — the node task (`node`: the election
 //! and the broker connection), the scan task (`scheduler`: firing while active), the
-//! delayed-message ingress (`ingress`, every node) and the HTTP server (`http`) — each
+//! delayed-message ingress (`ingress`, every node), the HTTP server (`http`) and the
+//! pending gauges' counter (`status::count_pending`, on a connection of its own) — each
 //! given the narrow context it uses. The supervisor watches them all: when one ends before a stop was asked (a panic, a bug), the others are
 //! stopped — the node task announces `leaving`, so the group does not wait for a node that
 //! cannot fire — and the daemon exits non-zero for the orchestrator to restart it.
@@ -26,7 +27,7 @@ use crate::node::{Node, NodeLoop};
 use crate::scheduler::{self, Firing};
 pub use crate::shutdown::Exit;
 use crate::shutdown::sleep_or_stop;
-use crate::status::{Probe, Snapshot};
+use crate::status::{self, Probe, Snapshot};
 use crate::store::Store;
 use crate::telemetry::Chain;
 
@@ -66,6 +67,7 @@ enum Task {
     Scan,
     Http,
     Ingress,
+    PendingCounts,
 }
 
 /// Start a daemon: bind HTTP, migrate (if configured, retrying while the database is
@@ -74,7 +76,9 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let node_id = Uuid::new_v4();
     let settings = Arc::new(settings);
     let store = Store::connect_as(&settings.postgres, &format!("timeoutd-{node_id}"))?;
-    let probe = Arc::new(Probe::new(&settings, node_id, store.clone()));
+    let observer = Store::observer(&settings.postgres, &format!("timeoutd-{node_id}-observe"))?;
+    let health = Arc::new(Health::default());
+    let probe = Arc::new(Probe::new(&settings, node_id, health.clone()));
     let stop = shutdown.child_token();
     let (http_addr, http) = http::bind(settings.http_listen()?, probe.clone(), stop.clone())
         .await
@@ -83,7 +87,6 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let (role_tx, role_rx) = watch::channel(Role::Passive);
     let (lease_tx, lease_rx) = watch::channel(LeaseView::none(Instant::now()));
     let (bus_tx, bus_rx) = watch::channel(None::<Arc<Bus>>);
-    let health = Arc::new(Health::default());
     let node = Node {
         settings: settings.clone(),
         node_id,
@@ -117,6 +120,8 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         firing,
         http,
         intake,
+        observer,
+        probe: probe.clone(),
     };
     let join = tokio::spawn(supervise(settings, store, bus_rx, tasks, stop.clone()));
     Ok(Handle {
@@ -136,6 +141,9 @@ struct Tasks {
     http: http::Server,
     /// The delayed-message ingress, unless `delay.enabled = false`.
     intake: Option<Intake>,
+    /// The pending gauges' connection (see `Store::observer`).
+    observer: Store,
+    probe: Arc<Probe>,
 }
 
 async fn supervise(
@@ -147,8 +155,9 @@ async fn supervise(
 ) -> Exit {
     let mut set = JoinSet::new();
     set.spawn(async move { (Task::Http, tasks.http.run().await.map(|()| Exit::Stopped)) });
+    let stores = [store.clone(), tasks.observer.clone()];
     if settings.postgres.migrate_on_start && !migrate(&settings, &store, &stop).await {
-        return finish(set, &settings, &store, &bus, Exit::Stopped).await;
+        return finish(set, &settings, &stores, &bus, Exit::Stopped).await;
     }
     let (node, firing) = (tasks.node, tasks.firing);
     set.spawn(async move { (Task::Node, Ok(NodeLoop::new(node).run().await)) });
@@ -162,8 +171,14 @@ async fn supervise(
             (Task::Ingress, Ok(Exit::Stopped))
         });
     }
+    let (probe, observer, counting, halt) =
+        (tasks.probe, tasks.observer, settings.clone(), stop.clone());
+    set.spawn(async move {
+        status::count_pending(probe, observer, counting, halt).await;
+        (Task::PendingCounts, Ok(Exit::Stopped))
+    });
     let exit = first_to_end(&mut set, &stop).await;
-    finish(set, &settings, &store, &bus, exit).await
+    finish(set, &settings, &stores, &bus, exit).await
 }
 
 /// Wait for the first task to end and say what that means for the daemon.
@@ -198,7 +213,7 @@ async fn first_to_end(
 async fn finish(
     mut set: JoinSet<(Task, std::io::Result<Exit>)>,
     settings: &Settings,
-    store: &Store,
+    stores: &[Store],
     bus: &watch::Receiver<Option<Arc<Bus>>>,
     exit: Exit,
 ) -> Exit {
@@ -227,7 +242,9 @@ async fn finish(
     if let Some(bus) = last_bus {
         bus.close().await;
     }
-    store.close().await;
+    for store in stores {
+        store.close().await;
+    }
     tracing::info!(?exit, "stopped");
     exit
 }

@@ -50,6 +50,16 @@ struct State {
     next_id: u64,
 }
 
+/// How one check stands (see [`Health::standing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Standing {
+    Passing,
+    /// Failing, or a step of it under way too long, for this long.
+    Failing(Duration),
+    /// Not passed yet, nor failed: its tasks have not got to it.
+    Untried,
+}
+
 /// A step in flight longer than this is listed as failing in `/status`.
 const SLOW_STEP: Duration = Duration::from_secs(1);
 
@@ -120,6 +130,21 @@ impl Health {
             .collect()
     }
 
+    /// How `check` stands as its own tasks last found it, for readiness and the
+    /// connection gauges: nothing here waits for, or asks, anything.
+    pub fn standing(&self, check: Check) -> Standing {
+        let state = self.lock();
+        let slow = state
+            .pending_steps()
+            .filter(|(c, since)| *c == check && since.elapsed() > SLOW_STEP)
+            .map(|(_, since)| since);
+        match state.failing[check.index()].into_iter().chain(slow).min() {
+            Some(since) => Standing::Failing(since.elapsed()),
+            None if state.passed[check.index()].is_some() => Standing::Passing,
+            None => Standing::Untried,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // Plain instants: a panicking holder cannot leave them inconsistent.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -155,6 +180,20 @@ mod tests {
         h.pass(Check::Publish);
         assert_eq!(h.failing_since(), None);
         assert!(h.failing().is_empty());
+    }
+
+    #[test]
+    fn standing_is_untried_until_a_task_reports_then_follows_the_last_report() {
+        let h = Health::default();
+        assert_eq!(h.standing(Check::Postgres), Standing::Untried);
+        h.fail(Check::Postgres, Instant::now() - Duration::from_secs(2));
+        assert!(matches!(
+            h.standing(Check::Postgres),
+            Standing::Failing(d) if d >= Duration::from_secs(2)
+        ));
+        assert_eq!(h.standing(Check::Publish), Standing::Untried);
+        h.pass(Check::Postgres);
+        assert_eq!(h.standing(Check::Postgres), Standing::Passing);
     }
 
     #[test]

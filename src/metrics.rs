@@ -4,7 +4,9 @@
 //! after the events they count.
 
 use std::borrow::Cow;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
@@ -15,7 +17,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 use uuid::Uuid;
 
-use crate::store::{Bound, IngestOutcome, PendingCounts};
+use crate::store::{Bound, IngestOutcome, PendingCounts, TABLES};
 
 /// The `kind` of expectations (see `fire::Kind::NAME`).
 const EXPECTATION: &str = "expectation";
@@ -110,6 +112,9 @@ pub struct Metrics {
     lateness_by_kind: Histograms<KindLabel>,
     steps: Histograms<KindStepLabel>,
     pending_by_kind: Family<KindStateLabel, Gauge>,
+    pending_age: Family<KindLabel, Gauge<f64, AtomicU64>>,
+    /// When each kind's pending counts were last set (the start, until they are).
+    pending_at: Mutex<Vec<(&'static str, Instant)>>,
     ingested: Family<ResultLabel, Counter>,
     ingest_time: Histogram,
     ingress_consuming: Gauge,
@@ -142,6 +147,8 @@ impl Metrics {
             lateness_by_kind: Family::new_with_constructor(lateness_histogram),
             steps: Family::new_with_constructor(step_histogram),
             pending_by_kind: Family::default(),
+            pending_age: Family::default(),
+            pending_at: Mutex::new(TABLES.iter().map(|t| (t.kind(), Instant::now())).collect()),
             ingested: Family::default(),
             ingest_time: Histogram::new(INGEST_BUCKETS),
             ingress_consuming: Gauge::default(),
@@ -175,7 +182,8 @@ impl Metrics {
         );
         r.register(
             "postgres_connected",
-            "1 if Postgres answered at scrape time",
+            "1 while this node's own statements reach Postgres (its scan's and probes' \
+             last outcome)",
             self.postgres_connected.clone(),
         );
         r.register(
@@ -265,8 +273,16 @@ impl Metrics {
         );
         r.register(
             "pending_rows",
-            "rows by kind and state (pending, due, overdue, failing)",
+            "rows by kind and state (pending, due, overdue, failing), as last counted \
+             (every http.pending_refresh)",
             self.pending_by_kind.clone(),
+        );
+        r.register_with_unit(
+            "pending_rows_age",
+            "time since the pending counts of a kind were last counted (since the start \
+             before the first count)",
+            Unit::Seconds,
+            self.pending_age.clone(),
         );
         r.register(
             "delayed_ingested",
@@ -358,6 +374,11 @@ impl Metrics {
     }
 
     pub fn set_pending(&self, kind: &'static str, c: PendingCounts) {
+        let mut at = self.pending_at.lock().unwrap_or_else(|e| e.into_inner());
+        match at.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, when)) => *when = Instant::now(),
+            None => at.push((kind, Instant::now())),
+        }
         let states = [
             ("pending", c.pending),
             ("due", c.due),
@@ -406,9 +427,16 @@ impl Metrics {
         self.ingress_consuming.set(i64::from(consuming));
     }
 
-    /// The exposition text; `postgres_ok` is measured by the caller at scrape time.
+    /// The exposition text; `postgres_ok`: how the node's own statements fare.
     pub fn render(&self, postgres_ok: bool) -> String {
         self.postgres_connected.set(i64::from(postgres_ok));
+        let at = self.pending_at.lock().unwrap_or_else(|e| e.into_inner());
+        for (kind, when) in at.iter() {
+            self.pending_age
+                .get_or_create(&KindLabel { kind })
+                .set(when.elapsed().as_secs_f64());
+        }
+        drop(at);
         let mut out = String::with_capacity(8192);
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);

@@ -1,19 +1,28 @@
 //! What a node knows about itself, for `/status`, readiness, liveness and the tests: the
-//! status snapshot the tasks update, their heartbeats, and the metrics.
+//! status snapshot the tasks update, their heartbeats, their health, and the metrics.
+//!
+//! Observing reads only what is here: no HTTP request waits for, or takes, a database
+//! connection (contract section 8, "Observing cannot harm"). The one thing observers
+//! want from the database, the pending counts, is counted by [`count_pending`], one task
+//! on a connection of its own, and cached in the metrics.
 
-use std::sync::RwLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::admission::RejectedCount;
 use crate::config::Settings;
 use crate::election::Role;
+use crate::health::{Check, Health, Standing};
 use crate::metrics::Metrics;
-use crate::store::{Store, TABLES};
+use crate::shutdown::sleep_or_stop;
+use crate::store::{Store, TABLES, bounded};
+use crate::telemetry::{Chain, LogLimiter};
 
 /// A member as `/status` and `members` show it.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -68,24 +77,20 @@ pub struct IngressStatus {
     pub last_error: Option<String>,
 }
 
-/// What the HTTP probes and `/status` read: the snapshot, loop heartbeats, the store.
+/// What the HTTP probes and `/status` read: the snapshot, loop heartbeats, the health
+/// the node's own tasks report, the metrics. Nothing that reaches out.
 pub struct Probe {
     started: Instant,
     status: RwLock<Snapshot>,
     pub(crate) node_beat: AtomicU64,
     pub(crate) scan_beat: AtomicU64,
     stall_after: Duration,
-    /// "Overdue" in the pending gauges means due for longer than this.
-    tick: Duration,
-    store: Store,
+    health: Arc<Health>,
     pub metrics: Metrics,
 }
 
-/// Bound on the database round trips of `/readyz` and `/metrics`.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
-
 impl Probe {
-    pub(crate) fn new(settings: &Settings, node_id: Uuid, store: Store) -> Self {
+    pub(crate) fn new(settings: &Settings, node_id: Uuid, health: Arc<Health>) -> Self {
         let s = settings;
         Self {
             started: Instant::now(),
@@ -94,8 +99,7 @@ impl Probe {
             scan_beat: AtomicU64::new(0),
             stall_after: 2
                 * (s.amqp.connect_timeout + s.postgres.statement_timeout + s.backoff.max),
-            tick: s.election.tick,
-            store,
+            health,
             metrics: Metrics::new(&s.election.group, node_id),
         }
     }
@@ -128,27 +132,23 @@ impl Probe {
         None
     }
 
-    /// Refresh the pending gauges (bounded); false when Postgres did not answer.
-    pub async fn refresh_pending(&self) -> bool {
-        for table in TABLES {
-            let counts =
-                tokio::time::timeout(PROBE_TIMEOUT, self.store.counts(table, self.tick)).await;
-            match counts {
-                Ok(Ok(c)) => self.metrics.set_pending(table.kind(), c),
-                _ => return false,
-            }
-        }
-        true
-    }
-
-    /// Readiness: `Some(reason)` unless connected to both services and settled.
-    pub async fn not_ready(&self) -> Option<String> {
+    /// Readiness: `Some(reason)` unless connected to RabbitMQ, the node's own statements
+    /// reach Postgres (as its scan and probes last found: never a round trip of its
+    /// own), a candidate and settled.
+    pub fn not_ready(&self) -> Option<String> {
         let s = self.snapshot();
         if !s.bus_connected {
             return Some("rabbitmq: not connected".into());
         }
-        if let Err(e) = self.store.ping(PROBE_TIMEOUT).await {
-            return Some(format!("postgres: {e}"));
+        match self.health.standing(Check::Postgres) {
+            Standing::Passing => {}
+            Standing::Failing(for_) => {
+                return Some(format!(
+                    "postgres: the node's statements fail or do not answer (for {:.1}s)",
+                    for_.as_secs_f64()
+                ));
+            }
+            Standing::Untried => return Some("postgres: not reached yet".into()),
         }
         if !s.candidate {
             return Some(format!(
@@ -160,6 +160,49 @@ impl Probe {
             return Some("election: settling".into());
         }
         None
+    }
+
+    /// The exposition text, from cached values only.
+    pub fn metrics_text(&self) -> String {
+        let postgres_ok = self.health.standing(Check::Postgres) == Standing::Passing;
+        self.metrics.render(postgres_ok)
+    }
+}
+
+/// At most one log line per this period about counts that cannot be had.
+const COUNT_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// The pending gauges' task: every `http.pending_refresh`, count each table in turn on
+/// `store` (one connection of its own, see `Store::observer`), each count bounded like
+/// any statement of the node, and cache the counts in the metrics. "Overdue" means due
+/// for longer than a tick. A failure leaves the last counts, whose age the metrics show.
+pub(crate) async fn count_pending(
+    probe: Arc<Probe>,
+    store: Store,
+    settings: Arc<Settings>,
+    stop: CancellationToken,
+) {
+    let (every, late) = (settings.http.pending_refresh, settings.election.tick);
+    let limit = settings.db_bound();
+    let mut quiet = LogLimiter::new(COUNT_LOG_EVERY);
+    loop {
+        for table in TABLES {
+            let counted = tokio::select! {
+                _ = stop.cancelled() => return,
+                c = bounded(limit, store.counts(table, late)) => c,
+            };
+            match counted {
+                Ok(c) => probe.metrics.set_pending(table.kind(), c),
+                Err(e) => {
+                    if let Some(suppressed) = quiet.allow(Instant::now()) {
+                        tracing::warn!(error = %Chain(&e), kind = table.kind(), suppressed, "cannot count the pending rows for the gauges");
+                    }
+                }
+            }
+        }
+        if !sleep_or_stop(&stop, every).await {
+            return;
+        }
     }
 }
 

@@ -229,9 +229,24 @@ impl Store {
     /// As [`Store::connect`], naming the sessions (`application_name`) so an operator
     /// can tell the nodes' backends apart in `pg_stat_activity`.
     pub fn connect_as(settings: &config::Postgres, name: &str) -> Result<Self, StoreError> {
+        Self::with_connections(settings, name, settings.max_connections)
+    }
+
+    /// A store of one connection, apart from the firing pool: what observers (the
+    /// pending gauges) use, so that no number of them can take a connection the firing
+    /// needs, nor run more than one statement at a time.
+    pub(crate) fn observer(settings: &config::Postgres, name: &str) -> Result<Self, StoreError> {
+        Self::with_connections(settings, name, 1)
+    }
+
+    fn with_connections(
+        settings: &config::Postgres,
+        name: &str,
+        connections: u32,
+    ) -> Result<Self, StoreError> {
         let options = connect_options(settings, name)?;
         let pool = PgPoolOptions::new()
-            .max_connections(settings.max_connections)
+            .max_connections(connections)
             .acquire_timeout(settings.connect_timeout)
             .connect_lazy_with(options);
         Ok(Self {

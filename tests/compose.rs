@@ -218,3 +218,126 @@ fn dockerfile_runs_as_non_root() {
         "Dockerfile runs as root (USER {user})"
     );
 }
+
+// ---------------------------------------------------------------------------
+// Trust (contract section 8): what the containers may do, who may reach them
+// ---------------------------------------------------------------------------
+
+/// The demo's own containers, built from the project's image like the replicas.
+const DEMO: [&str; 2] = ["demo-producer", "demo-consumer"];
+/// What RabbitMQ and Postgres keep: their entrypoints start as root, chown their data and
+/// switch to their own user.
+const INFRA_CAPS: [&str; 5] = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETGID", "SETUID"];
+
+fn strings(service: &Value, key: &str) -> Vec<String> {
+    service
+        .get(key)
+        .and_then(Value::as_sequence)
+        .map(|items| {
+            items
+                .iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The host address of a published port (short `[HOST:]HOST_PORT:CONTAINER_PORT` or long
+/// syntax); `None` when it publishes on every interface.
+fn published_on(port: &Value) -> Option<String> {
+    match port {
+        Value::String(short) => {
+            let parts: Vec<&str> = short.split(':').collect();
+            (parts.len() == 3).then(|| parts[0].to_owned())
+        }
+        Value::Mapping(_) => port
+            .get("host_ip")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        Value::Tagged(tagged) => published_on(&tagged.value),
+        _ => None,
+    }
+}
+
+fn assert_ports_on_loopback(origin: &str, services: &Value) {
+    let services = services.as_mapping().expect("services is a mapping");
+    for (name, service) in services {
+        let ports = service.get("ports").map(|p| match p {
+            Value::Tagged(tagged) => tagged.value.clone(),
+            other => other.clone(),
+        });
+        for port in ports.iter().filter_map(Value::as_sequence).flatten() {
+            assert_eq!(
+                published_on(port).as_deref(),
+                Some("127.0.0.1"),
+                "{origin}: {name:?} publishes {port:?} beyond this machine"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_published_port_is_on_loopback() {
+    let compose = compose();
+    assert_ports_on_loopback("docker-compose.yml", &compose["services"]);
+    let ci: Value = serde_yaml::from_str(&read(".ci/compose.ci.yml")).expect("compose.ci.yml");
+    assert_ports_on_loopback(".ci/compose.ci.yml", &ci["services"]);
+}
+
+#[test]
+fn timeoutd_containers_are_read_only_without_capabilities() {
+    let compose = compose();
+    for name in REPLICAS.iter().chain(DEMO.iter()) {
+        let s = service(&compose, name);
+        assert_eq!(
+            s.get("read_only").and_then(Value::as_bool),
+            Some(true),
+            "{name}"
+        );
+        assert_eq!(strings(s, "cap_drop"), ["ALL"], "{name}: cap_drop");
+        assert!(strings(s, "cap_add").is_empty(), "{name}: cap_add");
+        assert!(
+            strings(s, "security_opt").contains(&"no-new-privileges:true".to_owned()),
+            "{name}: security_opt"
+        );
+    }
+}
+
+#[test]
+fn infra_keeps_only_the_capabilities_to_switch_user() {
+    let compose = compose();
+    for name in INFRA {
+        let s = service(&compose, name);
+        assert_eq!(strings(s, "cap_drop"), ["ALL"], "{name}: cap_drop");
+        for cap in strings(s, "cap_add") {
+            assert!(INFRA_CAPS.contains(&cap.as_str()), "{name}: cap_add {cap}");
+        }
+        assert!(
+            strings(s, "security_opt").contains(&"no-new-privileges:true".to_owned()),
+            "{name}: security_opt"
+        );
+    }
+}
+
+/// The runtime stage strips every setuid/setgid bit and fails the build if one is left.
+#[test]
+fn runtime_image_has_no_setuid_programs() {
+    let instructions = dockerfile_instructions();
+    let runtime_from = instructions
+        .iter()
+        .rposition(|(i, _)| i == "FROM")
+        .expect("a runtime stage");
+    let runtime: Vec<&String> = instructions[runtime_from..]
+        .iter()
+        .filter(|(i, _)| i == "RUN")
+        .map(|(_, args)| args)
+        .collect();
+    let strips = runtime
+        .iter()
+        .any(|r| r.contains("-perm /6000") && r.contains("chmod a-s"));
+    let checks = runtime.iter().any(|r| {
+        r.contains("if find / -xdev -perm /6000 -type f | grep .") && r.contains("exit 1")
+    });
+    assert!(strips && checks, "runtime RUN lines: {runtime:?}");
+}

@@ -14,6 +14,7 @@ use serde_yaml::Value;
 use support::{assert_env_vars_name_config_keys, compose, default_toml, read, service};
 
 const K8S: &str = "deploy/kubernetes/sidecar.yaml";
+const NETWORK_POLICY: &str = "deploy/kubernetes/networkpolicy.yaml";
 const ALERTS: &str = "deploy/prometheus/alerts.yaml";
 const DASHBOARD: &str = "deploy/grafana/timeoutd.json";
 
@@ -118,9 +119,16 @@ fn assert_known_metrics(origin: &str, expr: &str) -> BTreeSet<String> {
 // ---------------------------------------------------------------------------
 
 fn k8s_documents() -> Vec<Value> {
-    let text = read(K8S);
+    documents(K8S)
+}
+
+fn documents(path: &str) -> Vec<Value> {
+    let text = read(path);
     serde_yaml::Deserializer::from_str(&text)
-        .map(|doc| Value::deserialize(doc).expect("sidecar.yaml: a document is not valid YAML"))
+        .map(|doc| {
+            Value::deserialize(doc)
+                .unwrap_or_else(|e| panic!("{path}: a document is not valid YAML: {e}"))
+        })
         .filter(|doc| !doc.is_null())
         .collect()
 }
@@ -430,4 +438,107 @@ fn dockerfile_installs_the_demo_consumer() {
         dockerfile.contains("/examples/consume /usr/local/bin/timeoutd-consume"),
         "installs it as timeoutd-consume"
     );
+}
+
+// ---------------------------------------------------------------------------
+// Trust (contract section 8): TLS to both services, who reaches the pods
+// ---------------------------------------------------------------------------
+
+/// Ports the pods may connect to: DNS, the broker over TLS, the database.
+const EGRESS_PORTS: [u64; 3] = [53, 5671, 5432];
+
+#[test]
+fn secret_urls_use_verified_tls_with_the_mounted_ca() {
+    let docs = k8s_documents();
+    let secret = k8s_object(&docs, "Secret");
+    let amqp = str_at(&secret, &["stringData", "amqp-url"]);
+    let postgres = str_at(&secret, &["stringData", "postgres-url"]);
+    assert!(amqp.starts_with("amqps://"), "{amqp}");
+    assert!(postgres.contains("sslmode=verify-full"), "{postgres}");
+    let deployment = k8s_object(&docs, "Deployment");
+    let sidecar = sidecar(&deployment);
+    let env = sidecar_env(&sidecar);
+    let config_map = k8s_object(&docs, "ConfigMap");
+    let volumes = at(&deployment, &["spec", "template", "spec", "volumes"]);
+    let mounts = at(&sidecar, &["volumeMounts"])
+        .as_sequence()
+        .expect("mounts");
+    for var in ["TIMEOUTD__AMQP__CA_FILE", "TIMEOUTD__POSTGRES__CA_FILE"] {
+        let path = env.get(var).map(|e| str_at(e, &["value"]));
+        let path = path.unwrap_or_else(|| panic!("{K8S}: no {var}"));
+        let mount = mounts
+            .iter()
+            .find(|m| path.starts_with(&format!("{}/", str_at(m, &["mountPath"]))))
+            .unwrap_or_else(|| panic!("{var}={path} is in no mount"));
+        assert_eq!(at(mount, &["readOnly"]).as_bool(), Some(true), "{var}");
+        let volume = volumes
+            .as_sequence()
+            .expect("volumes")
+            .iter()
+            .find(|v| str_at(v, &["name"]) == str_at(mount, &["name"]))
+            .expect("the mount's volume");
+        assert_eq!(
+            str_at(volume, &["configMap", "name"]),
+            str_at(&config_map, &["metadata", "name"])
+        );
+        let file = path.rsplit('/').next().unwrap_or_default();
+        let pem = str_at(&config_map, &["data", file]);
+        assert!(pem.contains("-----BEGIN CERTIFICATE-----"), "{file}: {pem}");
+    }
+}
+
+#[test]
+fn network_policy_selects_the_pods_and_lets_only_the_scraper_in() {
+    let docs = documents(NETWORK_POLICY);
+    assert_eq!(docs.len(), 1, "{NETWORK_POLICY}: one document");
+    let policy = &docs[0];
+    assert_eq!(str_at(policy, &["kind"]), "NetworkPolicy");
+    assert_eq!(str_at(policy, &["apiVersion"]), "networking.k8s.io/v1");
+    let deployment = k8s_object(&k8s_documents(), "Deployment");
+    let labels = at(&deployment, &["spec", "template", "metadata", "labels"]);
+    let selector = at(policy, &["spec", "podSelector", "matchLabels"]);
+    let selector = selector.as_mapping().expect("matchLabels");
+    assert!(!selector.is_empty(), "selects some pods, not all");
+    for (key, value) in selector {
+        assert_eq!(
+            labels.get(key),
+            Some(value),
+            "selects the deployment's pods"
+        );
+    }
+    let types: Vec<&str> = at(policy, &["spec", "policyTypes"])
+        .as_sequence()
+        .expect("policyTypes")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(types, ["Ingress", "Egress"]);
+    let rules = |key: &str| at(policy, &["spec", key]).as_sequence().expect(key).clone();
+    let ports = |rule: &Value| -> Vec<u64> {
+        let ports = rule.get("ports").and_then(Value::as_sequence);
+        let ports =
+            ports.unwrap_or_else(|| panic!("a rule without ports opens them all: {rule:?}"));
+        ports.iter().map(|p| u64_at(p, &["port"])).collect()
+    };
+    let mut metrics_rules = 0;
+    for rule in rules("ingress") {
+        if !ports(&rule).contains(&HTTP_PORT) {
+            continue;
+        }
+        metrics_rules += 1;
+        let from = at(&rule, &["from"]).as_sequence().expect("from");
+        assert!(!from.is_empty(), "9464 from anywhere");
+        for peer in from {
+            at(peer, &["namespaceSelector", "matchLabels"]);
+            assert!(peer.get("ipBlock").is_none(), "9464 by address: {peer:?}");
+        }
+    }
+    assert_eq!(metrics_rules, 1, "one way in to {HTTP_PORT}");
+    for rule in rules("egress") {
+        for port in ports(&rule) {
+            assert!(EGRESS_PORTS.contains(&port), "egress to {port}");
+        }
+        let to = at(&rule, &["to"]).as_sequence().expect("to");
+        assert!(!to.is_empty(), "egress anywhere: {rule:?}");
+    }
 }

@@ -12,7 +12,7 @@ use crate::cli::{Cli, Command, ExpectArgs};
 use crate::client::{self, Expectation};
 use crate::config::{ConfigError, Settings};
 use crate::store::Store;
-use crate::telemetry;
+use crate::telemetry::{self, Shown, Spelling, escape};
 
 /// Exit code of a refused configuration.
 pub const EXIT_CONFIG: u8 = 2;
@@ -41,14 +41,14 @@ pub async fn dispatch(cli: Cli) -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             tracing::error!("{e:#}");
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", Shown(&format!("{e:#}")));
             ExitCode::FAILURE
         }
     }
 }
 
 fn config_error(e: &ConfigError) -> ExitCode {
-    eprintln!("error: {e}");
+    eprintln!("error: {}", Shown(&e.to_string()));
     ExitCode::from(EXIT_CONFIG)
 }
 
@@ -82,7 +82,10 @@ async fn migrate(settings: &Settings) -> anyhow::Result<ExitCode> {
 fn check_config(settings: &Settings) -> anyhow::Result<ExitCode> {
     // Passwords are redacted by the URL type itself.
     let shown = toml::to_string(settings).context("printing the settings as TOML")?;
-    println!("# configuration is valid\n{shown}");
+    println!(
+        "# configuration is valid\n{}",
+        escape(&shown, Spelling::Unicode)
+    );
     Ok(ExitCode::SUCCESS)
 }
 

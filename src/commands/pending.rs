@@ -7,6 +7,7 @@ use anyhow::Context;
 use crate::cli::PendingArgs;
 use crate::config::Settings;
 use crate::store::{DELAYED, PendingDelayed, PendingFilter, PendingRow, Store};
+use crate::telemetry::{Shown, Spelling, escape};
 
 pub async fn pending(settings: &Settings, args: PendingArgs) -> anyhow::Result<ExitCode> {
     let store = Store::connect(&settings.postgres)?;
@@ -44,7 +45,8 @@ pub async fn pending(settings: &Settings, args: PendingArgs) -> anyhow::Result<E
             "rows": filter.map(|_| &rows),
             "delayed": { "counts": delayed, "rows": filter.map(|_| &delayed_rows) },
         });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        let json = serde_json::to_string_pretty(&out)?;
+        println!("{}", escape(&json, Spelling::Unicode));
     } else {
         for (kind, c) in [("expectations", counts), ("delayed     ", delayed)] {
             println!(
@@ -64,13 +66,15 @@ fn last_error(e: &Option<String>) -> String {
         .unwrap_or_default()
 }
 
+/// Row data may hold anything a publisher or a process manager wrote: bare fields go
+/// through `Shown`, quoted ones through `Debug`, which escapes the same characters.
 fn print_row(r: &PendingRow) {
     println!(
         "expectation {}  {}  {}  {}  exchange={:?} key={:?} attempts={}{}{}",
         r.id,
         r.timeout_at.to_rfc3339(),
-        r.process_id,
-        r.message_type,
+        Shown(&r.process_id),
+        Shown(&r.message_type),
         r.exchange,
         r.routing_key,
         r.attempts,

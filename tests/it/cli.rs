@@ -2,8 +2,9 @@ use std::collections::BTreeSet;
 use std::process::Output;
 use std::time::Duration;
 
-use crate::common::{Inbox, Proc, World, wait_for};
+use crate::common::{Inbox, Proc, World, wait_for, wait_for_async};
 use crate::http::get;
+use crate::principals::ctl;
 
 pub fn timeoutd(world: &World, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
@@ -26,6 +27,11 @@ async fn invalid_config_exits_2_naming_the_key() {
         ),
         ("TIMEOUTD__POSTGRES__SCHEMA", "bad-name", "postgres.schema"),
         ("TIMEOUTD__SCAN__BATCH_SIZE", "0", "scan.batch_size"),
+        (
+            "TIMEOUTD__HTTP__PENDING_REFRESH",
+            "10ms",
+            "http.pending_refresh",
+        ),
     ];
     for (var, value, key) in cases {
         for cmd in ["run", "check-config"] {
@@ -202,4 +208,250 @@ async fn pending_shows_failing_rows_without_touching_them() {
         "pending changed nothing"
     );
     world.cleanup().await;
+}
+
+/// Characters that could steer a terminal (move the cursor, recolour, reorder text),
+/// found raw in `text`: every control character but the line ends, the bidi controls,
+/// the line separators.
+fn raw_controls(text: &str) -> Vec<char> {
+    text.chars()
+        .filter(|c| {
+            (c.is_control() && *c != '\n')
+                || matches!(
+                    c,
+                    '\u{061c}'
+                        | '\u{200e}'
+                        | '\u{200f}'
+                        | '\u{202a}'..='\u{202e}'
+                        | '\u{2066}'..='\u{2069}'
+                        | '\u{2028}'
+                        | '\u{2029}'
+                )
+        })
+        .collect()
+}
+
+/// What a row may hold to attack an operator's terminal: a colour change, a carriage
+/// return that overwrites the line, a bell, a right-to-left override, a C1 CSI.
+const NASTY: &str = "a\u{1b}[31mRED\r\u{7}\u{202e}exe.txt\u{9b}2J";
+
+/// Contract section 8: `pending` (text and JSON), `cancel` and `check-config` show row
+/// and configuration data with every such character escaped, and still the same value
+/// to a JSON reader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_output_escapes_control_characters_from_rows() {
+    let world = World::new().await;
+    world.migrate().await;
+    let row = timeoutd::client::Expectation::new(NASTY, NASTY, NASTY)
+        .exchange(NASTY)
+        .due_in(Duration::from_secs(3600));
+    world.expect(&row).await;
+    world
+        .exec(&format!(
+            "INSERT INTO {}.delayed_messages (message_id, deliver_at, exchange, routing_key, \
+             body, attempts, last_error, retry_at) VALUES ({nasty}, now() + interval '1 hour', \
+             {nasty}, {nasty}, '', 1, {nasty}, 'infinity')",
+            world.schema,
+            nasty = sql_literal(NASTY)
+        ))
+        .await;
+    let other = format!("{NASTY}-not-stored");
+    /// A command line and its extra environment.
+    type Run<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+    let runs: [Run; 5] = [
+        (&["pending", "--list"], &[]),
+        (&["pending", "--failing"], &[]),
+        (&["pending", "--list", "--json"], &[]),
+        (&["cancel", "--message-id", &other], &[]),
+        (
+            &["check-config"],
+            &[("TIMEOUTD__DELAY__TARGET_EXCHANGE", NASTY)],
+        ),
+    ];
+    for (args, env) in runs {
+        let out = timeoutd(&world, args, env);
+        let shown = String::from_utf8_lossy(&out.stdout);
+        assert!(shown.contains("RED"), "{args:?} shows the value: {shown}");
+        assert_eq!(
+            raw_controls(&shown),
+            Vec::<char>::new(),
+            "{args:?}: {shown}"
+        );
+        assert_eq!(
+            raw_controls(&String::from_utf8_lossy(&out.stderr)),
+            Vec::<char>::new(),
+            "{args:?}"
+        );
+    }
+    let json = timeoutd(&world, &["pending", "--list", "--json"], &[]);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).expect("still JSON");
+    assert_eq!(v["rows"][0]["process_id"], NASTY, "{v}");
+    assert_eq!(v["delayed"]["rows"][0]["exchange"], NASTY, "{v}");
+    world.cleanup().await;
+}
+
+fn sql_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// A broker user of the test's own, with every right on the suite's vhost (what a
+/// daemon needs there); `ctl(&["delete_user", …])` deletes it.
+async fn broker_user(password: &str) -> String {
+    let name = format!("secret-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let url = url::Url::parse(&crate::common::amqp_url()).expect("amqp url");
+    let vhost = url.path().trim_start_matches('/');
+    let vhost = percent_decode(if vhost.is_empty() { "%2f" } else { vhost });
+    ctl(&["add_user", &name, password]).await;
+    ctl(&["set_permissions", "-p", &vhost, &name, ".*", ".*", ".*"]).await;
+    name
+}
+
+fn percent_decode(s: &str) -> String {
+    url::form_urlencoded::parse(format!("v={s}").as_bytes())
+        .next()
+        .map(|(_, v)| v.into_owned())
+        .unwrap_or_default()
+}
+
+/// Every way a log line could carry `secret`: as is, percent-encoded (as in a URL), as a
+/// byte list (lapin prints frames so), in hex.
+fn secret_forms(secret: &str) -> Vec<String> {
+    let bytes = secret.as_bytes();
+    let joined =
+        |f: fn(&u8) -> String, sep: &str| bytes.iter().map(f).collect::<Vec<_>>().join(sep);
+    let encoded: String = url::form_urlencoded::byte_serialize(bytes).collect();
+    vec![
+        secret.to_owned(),
+        encoded.clone(),
+        encoded.to_lowercase(),
+        joined(|b| b.to_string(), ", "),
+        joined(|b| b.to_string(), ","),
+        joined(|b| format!("{b:02x}"), ""),
+        joined(|b| format!("{b:02X}"), ""),
+        joined(|b| format!("{b:02x}"), " "),
+        joined(|b| format!("\\x{b:02x}"), ""),
+    ]
+}
+
+fn assert_no_secret(what: &str, output: &[u8], secrets: &[&str]) {
+    let text = String::from_utf8_lossy(output);
+    for secret in secrets {
+        for form in secret_forms(secret) {
+            assert!(
+                !text.contains(&form),
+                "{what} prints a password as {form:?} ({} bytes of output)",
+                text.len()
+            );
+        }
+    }
+}
+
+/// Contract section 8, "Secrets stay secret": with `RUST_LOG=trace`, a broker user of
+/// the test's own with a distinctive password, and a password in the Postgres URL (which
+/// trust authentication never asks for, so only our own output could show it): `run`
+/// (text and JSON logs) connects, fires and stops, `members`, `pending` and
+/// `check-config` run, and none of them prints either password in any form. The same
+/// logs hold no raw control character, though a row's exchange holds several.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_password_in_any_output_even_at_trace_level() {
+    let tag = &uuid::Uuid::new_v4().simple().to_string()[..10];
+    let (amqp_password, pg_password) = (format!("Amqp:S3/{tag}"), format!("Pg:S3/{tag}"));
+    let user = broker_user(&amqp_password).await;
+    let mut amqp = url::Url::parse(&crate::common::amqp_url()).expect("amqp url");
+    amqp.set_username(&user).expect("user");
+    amqp.set_password(Some(&amqp_password)).expect("password");
+    let mut pg = url::Url::parse(&crate::common::pg_url()).expect("pg url");
+    pg.set_password(Some(&pg_password)).expect("password");
+    let mut world = World::new().await;
+    world
+        .overrides
+        .push(("TIMEOUTD__AMQP__URL".into(), amqp.to_string()));
+    world
+        .overrides
+        .push(("TIMEOUTD__POSTGRES__URL".into(), pg.to_string()));
+    world.migrate().await;
+    let inbox = Inbox::new().await;
+    let secrets = [amqp_password.as_str(), pg_password.as_str()];
+    for (n, format) in ["text", "json"].into_iter().enumerate() {
+        let e = timeoutd::client::Expectation::new(&format!("p-{n}"), "Reply", &inbox.queue);
+        world.expect(&e).await;
+        let nasty = format!("nasty-{n}");
+        let row = timeoutd::client::Expectation::new(&nasty, "Reply", "k").exchange(NASTY);
+        world.expect(&row).await;
+        let failed = format!("process_id = '{nasty}' AND attempts > 0");
+        let fired_and_failed = || async { inbox.len() > n && world.count(&failed).await == 1 };
+        let (stdout, stderr) = run_until(&world, format, fired_and_failed).await;
+        let what = format!("run ({format} logs)");
+        assert_no_secret(&what, &stdout, &secrets);
+        assert_no_secret(&what, &stderr, &secrets);
+        let log = String::from_utf8_lossy(&stderr);
+        assert!(log.contains("TRACE"), "{what}: at trace level");
+        let warnings: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .collect();
+        assert!(
+            log.contains("not published"),
+            "{what}: the nasty row's warning; warnings and errors:\n{}",
+            warnings.join("\n")
+        );
+        assert_eq!(raw_controls(&log), Vec::<char>::new(), "{what}");
+    }
+    let trace = [("RUST_LOG", "trace")];
+    for args in [
+        &["check-config"][..],
+        &["pending", "--list"],
+        &["members", "--once"],
+    ] {
+        let out = timeoutd(&world, args, &trace);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        assert_no_secret(&format!("{args:?}"), &out.stdout, &secrets);
+        assert_no_secret(&format!("{args:?}"), &out.stderr, &secrets);
+    }
+    ctl(&["delete_user", &user]).await;
+    world.cleanup().await;
+}
+
+/// `timeoutd run` at trace level with `format` logs until `done`, then SIGTERM: what it
+/// printed on stdout and stderr.
+async fn run_until<F, Fut>(world: &World, format: &str, done: F) -> (Vec<u8>, Vec<u8>)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    use tokio::io::AsyncReadExt;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
+        .arg("run")
+        .envs(world.env())
+        .env("RUST_LOG", "trace")
+        .env("TIMEOUTD__LOG__FORMAT", format)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn timeoutd");
+    let read = |mut r: Box<dyn tokio::io::AsyncRead + Unpin + Send>| {
+        tokio::spawn(async move {
+            let mut all = Vec::new();
+            let _ = r.read_to_end(&mut all).await;
+            all
+        })
+    };
+    let stdout = read(Box::new(child.stdout.take().expect("stdout")));
+    let stderr = read(Box::new(child.stderr.take().expect("stderr")));
+    wait_for_async(Duration::from_secs(30), "done", done).await;
+    let pid = child.id().expect("running").to_string();
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status();
+    assert!(term.is_ok_and(|s| s.success()), "kill -TERM");
+    let exit = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("stops on SIGTERM")
+        .expect("wait");
+    assert!(exit.success(), "{exit:?}");
+    let stdout = stdout.await.expect("stdout reader");
+    let stderr = stderr.await.expect("stderr reader");
+    (stdout, stderr)
 }

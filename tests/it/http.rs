@@ -1,26 +1,35 @@
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use chrono::Utc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use timeoutd::client::Expectation;
 
-use crate::common::{Inbox, World, wait_for, wait_for_async};
+use crate::common::{Inbox, Proc, World, wait_for, wait_for_async};
 
 /// A plain HTTP/1.1 GET: (status code, body).
 pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    try_get(addr, path)
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+}
+
+/// As [`get`], for callers that count failures instead of failing.
+pub async fn try_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
     let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.expect("write");
+    s.write_all(req.as_bytes()).await?;
     let mut raw = String::new();
-    s.read_to_string(&mut raw).await.expect("read");
+    s.read_to_string(&mut raw).await?;
     let code = raw
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .expect("status line");
+        .ok_or_else(|| std::io::Error::other(format!("no status line in {raw:?}")))?;
     let body = raw.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
-    (code, body)
+    Ok((code, body))
 }
 
 /// Over real HTTP: live at once, ready once settled, and /status shows the role.
@@ -79,7 +88,8 @@ pub fn metric(text: &str, name_and_labels_prefix: &str) -> Option<f64> {
 /// first leaves) and count fired TimeOuts and publish failures.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_status_follow_role_changes_and_firing() {
-    let world = World::new().await;
+    let mut world = World::new().await;
+    world.overrides.push(quick_pending_counts());
     world.migrate().await;
     let inbox = Inbox::new().await;
     let first = world.start().await;
@@ -114,11 +124,16 @@ async fn metrics_and_status_follow_role_changes_and_firing() {
         fired(&ta) + fired(&tb) >= 3.0 && (ta + &tb).contains("reason=\"returned\"")
     })
     .await;
-    wait_for_async(Duration::from_secs(10), "two members", || async {
-        let (_, text) = get(active_one, "/metrics").await;
-        metric(&text, "timeoutd_members{") == Some(2.0)
-            && metric(&text, "timeoutd_active{") == Some(1.0)
-    })
+    wait_for_async(
+        Duration::from_secs(10),
+        "two members, one row failing",
+        || async {
+            let (_, text) = get(active_one, "/metrics").await;
+            metric(&text, "timeoutd_members{") == Some(2.0)
+                && metric(&text, "timeoutd_active{") == Some(1.0)
+                && metric(&text, "timeoutd_pending_failing{") == Some(1.0)
+        },
+    )
     .await;
     let (code, text) = get(active_one, "/metrics").await;
     assert_eq!(code, 200);
@@ -168,6 +183,7 @@ async fn every_documented_series_moves_after_its_event() {
     world
         .overrides
         .push(("TIMEOUTD__DELAY__ALLOWED_EXCHANGES".to_owned(), out.clone()));
+    world.overrides.push(quick_pending_counts());
     world.migrate().await;
     let inbox = Inbox::new().await;
     inbox.bind_new_exchange(&out, &inbox.queue).await;
@@ -221,6 +237,11 @@ async fn every_documented_series_moves_after_its_event() {
         ),
         ("timeoutd_delayed_ingest_seconds_count{", "", 1.0),
         ("timeoutd_delayed_ingress_consuming{", "", 1.0),
+        (
+            "timeoutd_pending_rows_age_seconds{",
+            "kind=\"expectation\"",
+            0.0,
+        ),
     ];
     let expected = [
         ("timeoutd_active{", 1.0),
@@ -265,6 +286,11 @@ async fn every_documented_series_moves_after_its_event() {
     }
     node.stop().await;
     world.cleanup().await;
+}
+
+/// Pending gauges counted four times a second, so that tests need not wait for them.
+fn quick_pending_counts() -> (String, String) {
+    ("TIMEOUTD__HTTP__PENDING_REFRESH".into(), "250ms".into())
 }
 
 /// The value of the first series `name…` whose labels contain `label`.
@@ -348,4 +374,232 @@ async fn hold_with_foreign_key(world: &World, e: &Expectation) {
         .await
         .expect("reference");
     tx.commit().await.expect("commit");
+}
+
+/// Contract section 8, "Observing cannot harm": 300 clients asking for `/metrics`,
+/// `/readyz` and `/status` as fast as they are answered, while rows come due. Every
+/// TimeOut arrives once, none early, none later than `member_ttl` (the flood must never
+/// cost what a failover costs; it cost 8 s when each scrape counted rows on the firing
+/// pool); a readiness probe (every 100 ms, as the sidecar manifest's kubelet waits) is
+/// answered 200 every time; and the database never sees an observer's statement on the
+/// node's firing pool, nor more than the one session of its own counter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrape_flood_neither_delays_timeouts_nor_turns_readiness_red() {
+    const SCRAPERS: usize = 300;
+    const ROWS: usize = 200;
+    let mut world = World::new().await;
+    world.overrides.push(quick_pending_counts());
+    world.migrate().await;
+    let inbox = Inbox::new().await;
+    // A process of its own: the scrapers here must compete with it for the CPUs, as
+    // remote scrapers do, not for its runtime.
+    let node = Proc::spawn(&world).await;
+    let addr = node.http_addr;
+    wait_for_async(Duration::from_secs(20), "ready", || async {
+        get(addr, "/readyz").await.0 == 200
+    })
+    .await;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let flood = flood(addr, SCRAPERS, stopped.clone());
+    let readiness = tokio::spawn(probe_readiness(addr, stopped.clone()));
+    let sessions = tokio::spawn(watch_sessions(
+        world.pool.clone(),
+        node.node_id,
+        stopped.clone(),
+    ));
+    // Due from 2 s on, once the flood is under way, one every 30 ms.
+    let first = Utc::now() + chrono::Duration::seconds(2);
+    let mut due = HashMap::new();
+    for i in 0..ROWS {
+        let at = first + chrono::Duration::milliseconds(30 * i as i64);
+        let e = Expectation::new(&format!("flood-{i}"), "Reply", &inbox.queue).due_at(at);
+        due.insert(world.expect(&e).await.to_string(), e.timeout_at);
+    }
+    wait_for(Duration::from_secs(60), "every TimeOut", || {
+        inbox.len() >= ROWS
+    })
+    .await;
+    let _ = stop.send(true);
+    let scraped = flood.join().expect("the scrapers' thread");
+    let (failed_probes, slowest_probe) = readiness.await.expect("prober");
+    let seen = sessions.await.expect("session watcher");
+    let member_ttl = world.settings().election.member_ttl;
+    let mut late = Vec::new();
+    for r in inbox.all() {
+        let deadline = due.get(&r.message_id()).expect("a row of the test");
+        assert!(r.at >= *deadline, "early: {} at {}", r.message_id(), r.at);
+        late.push((r.at - *deadline).to_std().unwrap_or_default());
+    }
+    late.sort();
+    let longest = late.last().copied().unwrap_or_default();
+    println!(
+        "scrape flood: {} answers to {SCRAPERS} scrapers ({} not 200); lateness p50 {:?}, \
+         max {longest:?}; {} readiness probes failed, the slowest answered in \
+         {slowest_probe:?}; {seen:?}",
+        scraped.answered,
+        scraped.not_ok,
+        late[late.len() / 2],
+        failed_probes.len(),
+    );
+    assert_eq!(inbox.counts().len(), ROWS, "each row once");
+    assert_eq!(inbox.len(), ROWS, "no duplicates");
+    assert!(longest <= member_ttl, "a TimeOut {longest:?} late");
+    assert!(failed_probes.is_empty(), "readiness: {failed_probes:?}");
+    assert!(
+        scraped.answered > SCRAPERS as u64,
+        "the flood ran: {scraped:?}"
+    );
+    assert_eq!(scraped.readyz_not_ok, 0, "{scraped:?}");
+    assert!(
+        seen.observer_pids <= 1 && seen.observer_at_once <= 1,
+        "one counting session: {seen:?}"
+    );
+    assert_eq!(seen.observing_on_firing_pool, Vec::<String>::new());
+    let (_, text) = get(addr, "/metrics").await;
+    let age = labelled(&text, "timeoutd_pending_rows_age_seconds{", "expectation");
+    assert!(age.is_some_and(|a| a < 10.0), "counts kept fresh: {age:?}");
+    drop(node);
+    world.cleanup().await;
+}
+
+/// What the flood's clients got.
+#[derive(Debug, Default)]
+struct Scraped {
+    answered: u64,
+    not_ok: u64,
+    readyz_not_ok: u64,
+    failed: u64,
+}
+
+/// `scrapers` clients on a thread and runtime of their own, each asking for every
+/// endpoint in turn until `stopped`.
+fn flood(
+    addr: SocketAddr,
+    scrapers: usize,
+    stopped: tokio::sync::watch::Receiver<bool>,
+) -> std::thread::JoinHandle<Scraped> {
+    const PATHS: [&str; 3] = ["/metrics", "/readyz", "/status"];
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime for the scrapers");
+    std::thread::spawn(move || {
+        runtime.block_on(async move {
+            let mut set = tokio::task::JoinSet::new();
+            for first in 0..scrapers {
+                let mut stopped = stopped.clone();
+                set.spawn(async move {
+                    let mut got = Scraped::default();
+                    for path in PATHS.iter().cycle().skip(first % PATHS.len()) {
+                        let answer = tokio::select! {
+                            _ = stopped.changed() => return got,
+                            a = try_get(addr, path) => a,
+                        };
+                        match answer {
+                            Ok((200, _)) => got.answered += 1,
+                            Ok(_) => {
+                                got.answered += 1;
+                                got.not_ok += 1;
+                                got.readyz_not_ok += u64::from(*path == "/readyz");
+                            }
+                            Err(_) => {
+                                got.failed += 1;
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                            }
+                        }
+                    }
+                    got
+                });
+            }
+            let mut all = Scraped::default();
+            while let Some(Ok(got)) = set.join_next().await {
+                all.answered += got.answered;
+                all.not_ok += got.not_ok;
+                all.readyz_not_ok += got.readyz_not_ok;
+                all.failed += got.failed;
+            }
+            all
+        })
+    })
+}
+
+/// How long the readiness probe of `deploy/kubernetes/sidecar.yaml` waits for an
+/// answer (`timeoutSeconds`). How soon it comes under a flood depends on the machine
+/// (and on this debug build); what it says must not.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// `/readyz` every 100 ms until `stopped`: the failures, and the longest wait.
+async fn probe_readiness(
+    addr: SocketAddr,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) -> (Vec<String>, Duration) {
+    let (mut failures, mut longest) = (Vec::new(), Duration::ZERO);
+    loop {
+        tokio::select! {
+            _ = stopped.changed() => return (failures, longest),
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+        let asked = std::time::Instant::now();
+        match tokio::time::timeout(PROBE_TIMEOUT, try_get(addr, "/readyz")).await {
+            Ok(Ok((200, _))) => {}
+            Ok(Ok((code, body))) => failures.push(format!("{code} {body}")),
+            Ok(Err(e)) => failures.push(e.to_string()),
+            Err(_) => failures.push(format!("no answer within {PROBE_TIMEOUT:?}")),
+        }
+        longest = longest.max(asked.elapsed());
+    }
+}
+
+/// The node's sessions as the database saw them during the flood.
+#[derive(Debug, Default)]
+struct Sessions {
+    /// Distinct backends of the pending counter.
+    observer_pids: usize,
+    /// The most of its sessions seen at once.
+    observer_at_once: usize,
+    /// Observers' statements (counts, pings) seen on the firing pool's sessions.
+    observing_on_firing_pool: Vec<String>,
+    samples: usize,
+}
+
+/// Sample `pg_stat_activity` every 20 ms until `stopped`.
+async fn watch_sessions(
+    pool: sqlx::PgPool,
+    node: uuid::Uuid,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+) -> Sessions {
+    let (firing, observer) = (
+        format!("timeoutd-{node}"),
+        format!("timeoutd-{node}-observe"),
+    );
+    let mut seen = Sessions::default();
+    let mut pids = std::collections::HashSet::new();
+    loop {
+        tokio::select! {
+            _ = stopped.changed() => break,
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+        let rows: Vec<(String, i32, String)> = sqlx::query_as(
+            "SELECT application_name, pid, query FROM pg_stat_activity \
+             WHERE application_name IN ($1, $2)",
+        )
+        .bind(&firing)
+        .bind(&observer)
+        .fetch_all(&pool)
+        .await
+        .expect("pg_stat_activity");
+        seen.samples += 1;
+        let mut at_once = 0;
+        for (name, pid, query) in rows {
+            if name == observer {
+                at_once += 1;
+                pids.insert(pid);
+            } else if query.contains("count(*) AS pending") || query.trim() == "SELECT 1" {
+                seen.observing_on_firing_pool.push(query);
+            }
+        }
+        seen.observer_at_once = seen.observer_at_once.max(at_once);
+    }
+    seen.observer_pids = pids.len();
+    seen
 }

@@ -114,7 +114,7 @@ impl Realm {
 }
 
 /// One `rabbitmqctl` command that must succeed.
-async fn ctl(args: &[&str]) {
+pub async fn ctl(args: &[&str]) {
     let out = crate::common::rabbitmqctl()
         .arg("-q")
         .args(args)

@@ -20,7 +20,14 @@
 //!    daemon; the clock runs from T0 to the consumer's receipt of the last TimeOut;
 //! 6. steady: rows due at R/s for S s, each inserted ~1.5 s before its deadline;
 //!    lateness = consumer receipt − deadline;
-//! 7. idle RSS again, the daemon stopped (SIGTERM);
+//! 7. scrape flood (unless `--scrape-flood-secs 0`): a steady load of its own, once with
+//!    only a readiness prober (`GET /readyz` every 100 ms, 1 s to answer, as a kubelet
+//!    probes), once with `--scrapers` clients (300) asking for `/metrics`, `/readyz` and
+//!    `/status` in turn on kept-alive connections as fast as they are answered, with
+//!    `--scrape-flood-backlog` rows (100k) due in an hour in the table: lateness and the
+//!    share of probes answered 200 in both; `--only-scrape-flood` runs this
+//!    phase alone (daemon start, the two cases, stop), `--runs` times;
+//!    then idle RSS again, the daemon stopped (SIGTERM);
 //! 8. delayed messages (unless `--no-delayed`), with daemons of their own: ingest
 //!    throughput (messages due in an hour published with confirms into the ingress, until
 //!    all are in `delayed_messages`) with 1 and 3 daemons, and the broker alone (a quorum
@@ -45,6 +52,7 @@ mod child;
 mod cpu;
 mod delayed;
 mod env;
+mod flood;
 mod hand_rolled;
 mod idle;
 mod idle_cost;
@@ -64,6 +72,7 @@ pub(crate) use child::*;
 pub(crate) use cpu::*;
 pub(crate) use delayed::*;
 pub(crate) use env::*;
+pub(crate) use flood::*;
 pub(crate) use hand_rolled::*;
 pub(crate) use idle::*;
 pub(crate) use idle_cost::*;
@@ -147,6 +156,23 @@ pub(crate) struct Args {
     /// with --quick), the size of the baseline publish it is compared with.
     #[arg(long)]
     pub(crate) delayed_burst: Option<usize>,
+    /// Duration of each case of the scrape-flood phase in seconds (0 skips it). Default 15
+    /// (5 with --quick).
+    #[arg(long)]
+    pub(crate) scrape_flood_secs: Option<u64>,
+    /// Rows due per second during the scrape-flood phase.
+    #[arg(long, default_value_t = 500)]
+    pub(crate) scrape_flood_rate: u32,
+    /// Concurrent clients in the flooded case of the scrape-flood phase.
+    #[arg(long, default_value_t = 300)]
+    pub(crate) scrapers: usize,
+    /// Rows due in an hour kept in the table during the scrape-flood phase (what a count
+    /// of the pending rows has to count).
+    #[arg(long, default_value_t = 100_000)]
+    pub(crate) scrape_flood_backlog: usize,
+    /// Run only the scrape-flood phase (daemon start, quiet and flooded case, stop).
+    #[arg(long)]
+    pub(crate) only_scrape_flood: bool,
     /// Directory for bench.json and bench.svg.
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
@@ -181,6 +207,17 @@ pub(crate) struct Plan {
     pub(crate) scan_runs: usize,
     /// `None`: `--no-delayed`.
     pub(crate) delayed: Option<DelayedPlan>,
+    /// `None`: `--scrape-flood-secs 0`.
+    pub(crate) scrape_flood: Option<FloodPlan>,
+}
+
+/// The scrape-flood phase: each case's steady load, and how many scrapers flood.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct FloodPlan {
+    pub(crate) secs: u64,
+    pub(crate) rate: u32,
+    pub(crate) scrapers: usize,
+    pub(crate) backlog: usize,
 }
 
 impl Plan {
@@ -213,6 +250,21 @@ impl Plan {
                  --delayed-burst must be greater than 0"
             );
         }
+        let flood_secs = args
+            .scrape_flood_secs
+            .unwrap_or(if args.quick { 5 } else { 15 });
+        let scrape_flood = (flood_secs > 0).then_some(FloodPlan {
+            secs: flood_secs,
+            rate: args.scrape_flood_rate,
+            scrapers: args.scrapers,
+            backlog: args.scrape_flood_backlog,
+        });
+        if scrape_flood.is_some() && (args.scrape_flood_rate == 0 || args.scrapers == 0) {
+            bail!("--scrape-flood-rate and --scrapers must be greater than 0");
+        }
+        if args.only_scrape_flood && scrape_flood.is_none() {
+            bail!("--only-scrape-flood with --scrape-flood-secs 0: nothing to run");
+        }
         let plan = Self {
             quick: args.quick,
             burst,
@@ -225,6 +277,7 @@ impl Plan {
             idle_rows,
             scan_runs: args.scan_runs,
             delayed,
+            scrape_flood,
         };
         if plan.burst == 0
             || plan.rates.is_empty()
@@ -244,6 +297,9 @@ pub(crate) async fn main() -> Result<()> {
     let plan = Plan::from(&args)?;
     let daemon_bin = daemon_path(&args)?;
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
+    if let (true, Some(flood)) = (args.only_scrape_flood, plan.scrape_flood) {
+        return only_scrape_flood(&args, flood, daemon_bin, runs).await;
+    }
     let mut reports = Vec::new();
     for n in 1..=runs {
         println!("== run {n} of {runs}");
@@ -252,21 +308,64 @@ pub(crate) async fn main() -> Result<()> {
         write_results(&args.out.join(format!("run-{n}")), &report)?;
         reports.push(report);
     }
-    let summary = summarize(&reports);
-    let table = summary_table(&summary, runs);
+    write_summary(&args.out, &summarize(&reports), runs)
+}
+
+/// The summary table on stdout and in `<out>/summary.{md,json}`.
+fn write_summary(out: &Path, summary: &[Summed], runs: usize) -> Result<()> {
+    let table = summary_table(summary, runs);
     println!("\n{table}");
-    std::fs::create_dir_all(&args.out)?;
-    std::fs::write(args.out.join("summary.md"), &table)?;
+    std::fs::create_dir_all(out)?;
+    std::fs::write(out.join("summary.md"), &table)?;
     std::fs::write(
-        args.out.join("summary.json"),
-        serde_json::to_vec_pretty(&summary)?,
+        out.join("summary.json"),
+        serde_json::to_vec_pretty(summary)?,
     )?;
     println!(
-        "wrote {0}/summary.md, {0}/summary.json and each run's bench.json and bench.svg under \
-         {0}/run-N",
-        args.out.display()
+        "wrote {0}/summary.md, {0}/summary.json and each run's results under {0}/run-N",
+        out.display()
     );
     Ok(())
+}
+
+/// `--only-scrape-flood`: the scrape-flood phase alone, `runs` times, each in a fresh
+/// environment with a fresh daemon.
+async fn only_scrape_flood(
+    args: &Args,
+    plan: FloodPlan,
+    daemon_bin: PathBuf,
+    runs: usize,
+) -> Result<()> {
+    let mut per_run = Vec::new();
+    for n in 1..=runs {
+        println!("== run {n} of {runs}");
+        let env = Env::setup(args, daemon_bin.clone()).await?;
+        println!("timeoutd-bench: schema {}, group {}", env.schema, env.group);
+        let outcome = tokio::select! {
+            r = flood_run(&env, plan) => r,
+            _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
+        };
+        env.cleanup().await;
+        let flood = outcome?;
+        for l in flood_lines(&flood) {
+            println!("{:<70} {:<60} {}", l.measurement, l.result, verdict(l.pass));
+        }
+        let dir = args.out.join(format!("run-{n}"));
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(
+            dir.join("scrape-flood.json"),
+            serde_json::to_vec_pretty(&flood)?,
+        )?;
+        per_run.push(flood_measurements(&flood));
+    }
+    write_summary(&args.out, &summarize_runs(&per_run), runs)
+}
+
+async fn flood_run(env: &Env, plan: FloodPlan) -> Result<ScrapeFlood> {
+    let mut daemon = phase("daemon start", Daemon::start(env)).await?;
+    let flood = phase("scrape flood", scrape_flood(env, &mut daemon, plan)).await?;
+    daemon.stop().await?;
+    Ok(flood)
 }
 
 /// One run in fresh tables, a fresh group and a fresh queue, removed afterwards.
@@ -336,6 +435,10 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let idle_after = daemon.memory()?;
+    let scrape_flood = match plan.scrape_flood {
+        Some(f) => Some(phase("scrape flood", scrape_flood(env, &mut daemon, f)).await?),
+        None => None,
+    };
     let catch_up = match plan.catch_up {
         0 => None,
         n => {
@@ -371,6 +474,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         hand,
         burst,
         steady_runs,
+        scrape_flood,
         catch_up,
         delayed,
         idle_cost,

@@ -62,6 +62,8 @@ pub(crate) struct Report {
     pub(crate) burst: Burst,
     /// One per `--rate`.
     pub(crate) steady: Vec<Steady>,
+    /// `None` with `--scrape-flood-secs 0`.
+    pub(crate) scrape_flood: Option<ScrapeFlood>,
     /// `None` with `--catch-up 0`.
     pub(crate) catch_up: Option<CatchUp>,
     /// `None` with `--idle-secs 0`.
@@ -85,6 +87,7 @@ impl Report {
         hand: HandRolled,
         burst: Burst,
         steady: Vec<Steady>,
+        scrape_flood: Option<ScrapeFlood>,
         catch_up: Option<CatchUp>,
         delayed: Option<Delayed>,
         idle_cost: Option<IdleCost>,
@@ -116,6 +119,7 @@ impl Report {
             hand,
             burst,
             steady,
+            scrape_flood,
             catch_up,
             idle_cost,
             delayed,
@@ -137,6 +141,9 @@ impl Report {
         ));
         for s in &self.steady {
             lines.extend(steady_lines(s));
+        }
+        if let Some(f) = &self.scrape_flood {
+            lines.extend(flood_lines(f));
         }
         if let Some(c) = &self.catch_up {
             lines.extend(catch_up_lines(c, self.limit.best.msgs_per_sec));

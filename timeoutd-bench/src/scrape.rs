@@ -192,10 +192,28 @@ pub(crate) async fn scrape(addr: SocketAddr) -> Result<Scrape> {
     Scrape::parse(&get_metrics(addr).await?)
 }
 
-/// One GET over HTTP/1.0: the server answers without chunking and closes, so the body is
-/// everything after the headers. A local scrape needs no client library.
+/// `GET /metrics`: the body of a complete 200 answer.
 pub(crate) async fn get_metrics(addr: SocketAddr) -> Result<String> {
-    let request = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    metrics_body(get(addr, "/metrics", SCRAPE_LIMIT).await?)
+}
+
+/// The body of a 200 answer; anything else, or a body cut short, is an error.
+fn metrics_body((status, body): (u16, String)) -> Result<String> {
+    if status != 200 {
+        bail!("/metrics answered {status}");
+    }
+    // OpenMetrics ends with `# EOF`: without it the answer was truncated.
+    if !body.trim_end().ends_with("# EOF") {
+        bail!("/metrics: answer without `# EOF` (truncated)");
+    }
+    Ok(body)
+}
+
+/// One GET over HTTP/1.0, bounded by `limit`: the server answers without chunking and
+/// closes, so the body is everything after the headers. A local scrape needs no client
+/// library.
+pub(crate) async fn get(addr: SocketAddr, path: &str, limit: Duration) -> Result<(u16, String)> {
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
     let exchange = async {
         let mut stream = TcpStream::connect(addr).await?;
         stream.write_all(request.as_bytes()).await?;
@@ -203,27 +221,23 @@ pub(crate) async fn get_metrics(addr: SocketAddr) -> Result<String> {
         stream.take(MAX_BYTES).read_to_end(&mut raw).await?;
         Ok::<_, std::io::Error>(raw)
     };
-    let raw = tokio::time::timeout(SCRAPE_LIMIT, exchange)
+    let raw = tokio::time::timeout(limit, exchange)
         .await
-        .map_err(|_| anyhow!("GET http://{addr}/metrics: no answer within {SCRAPE_LIMIT:?}"))?
-        .with_context(|| format!("GET http://{addr}/metrics"))?;
-    body(String::from_utf8(raw).context("/metrics is not UTF-8")?)
+        .map_err(|_| anyhow!("GET http://{addr}{path}: no answer within {limit:?}"))?
+        .with_context(|| format!("GET http://{addr}{path}"))?;
+    response(&String::from_utf8_lossy(&raw))
 }
 
-/// The body of a 200 answer; anything else, or a body cut short, is an error.
-fn body(response: String) -> Result<String> {
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .context("/metrics: no end of headers")?;
+/// The status code and body of an answer.
+fn response(raw: &str) -> Result<(u16, String)> {
+    let (head, body) = raw.split_once("\r\n\r\n").context("no end of headers")?;
     let status = head.lines().next().unwrap_or_default();
-    if status.split_whitespace().nth(1) != Some("200") {
-        bail!("/metrics answered {status:?}");
-    }
-    // OpenMetrics ends with `# EOF`: without it the answer was truncated.
-    if !body.trim_end().ends_with("# EOF") {
-        bail!("/metrics: answer without `# EOF` (truncated)");
-    }
-    Ok(body.to_owned())
+    let code = status
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("bad status line {status:?}"))?;
+    Ok((code, body.to_owned()))
 }
 
 /// What the daemon did between two scrapes, from its counters and histograms.
@@ -633,10 +647,11 @@ mod tests {
 
     #[test]
     fn body_needs_200_and_eof() {
-        let ok = "HTTP/1.0 200 OK\r\ncontent-length: 8\r\n\r\na 1\n# EOF\n".to_owned();
+        let body = |raw: &str| response(raw).and_then(metrics_body);
+        let ok = "HTTP/1.0 200 OK\r\ncontent-length: 8\r\n\r\na 1\n# EOF\n";
         assert_eq!(body(ok).ok().as_deref(), Some("a 1\n# EOF\n"));
-        assert!(body("HTTP/1.0 503 Service Unavailable\r\n\r\n# EOF\n".to_owned()).is_err());
-        assert!(body("HTTP/1.0 200 OK\r\n\r\na 1\n".to_owned()).is_err());
-        assert!(body("HTTP/1.0 200 OK\r\n".to_owned()).is_err());
+        assert!(body("HTTP/1.0 503 Service Unavailable\r\n\r\n# EOF\n").is_err());
+        assert!(body("HTTP/1.0 200 OK\r\n\r\na 1\n").is_err());
+        assert!(body("HTTP/1.0 200 OK\r\n").is_err());
     }
 }

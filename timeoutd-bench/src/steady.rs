@@ -31,6 +31,27 @@ pub(crate) struct Steady {
 pub(crate) async fn steady(env: &Env, daemon: &mut Daemon, rate: u32, secs: u64) -> Result<Steady> {
     // Before the first deadline is set: a scrape must not eat into the insert lead.
     let before = daemon.scrape().await?;
+    let rows = steady_rows(env, rate, secs).await?;
+    daemon.check_alive()?;
+    let after = daemon
+        .scrape_after(&before, rows.delivery.distinct as u64, SETTLE_LIMIT)
+        .await?;
+    Ok(rows.measured(ScanDelta::between(&before, &after)))
+}
+
+/// What arrived of one steady load, before the daemon's own view is added.
+pub(crate) struct SteadyRows {
+    rate: u32,
+    secs: u64,
+    total: usize,
+    pub(crate) delivery: Delivery,
+    lateness: Vec<f64>,
+    min_lead: f64,
+    complete: bool,
+}
+
+/// Insert the rows of a steady load and collect their TimeOuts (bounded wait).
+pub(crate) async fn steady_rows(env: &Env, rate: u32, secs: u64) -> Result<SteadyRows> {
     let total = rate as usize * secs as usize;
     let step = 1e6 / f64::from(rate);
     let first = (Utc::now() + chrono::Duration::from_std(STEADY_LEAD)?).trunc_subsecs(6);
@@ -39,31 +60,39 @@ pub(crate) async fn steady(env: &Env, daemon: &mut Daemon, rate: u32, secs: u64)
     let (deadlines, min_lead) = steady_insert(env, total, deadline).await?;
     let limit = STEADY_LEAD + Duration::from_secs(30);
     let complete = env.inbox.wait_for(total, limit).await;
-    daemon.check_alive()?;
     let got = env.inbox.take();
     let expected: HashSet<Uuid> = deadlines.keys().copied().collect();
-    let delivery = Delivery::check(&got, &expected);
-    let after = daemon
-        .scrape_after(&before, delivery.distinct as u64, SETTLE_LIMIT)
-        .await?;
-    let lateness = lateness_ms(&got, &deadlines);
-    let early = lateness.iter().filter(|l| **l < 0.0).count();
-    Ok(Steady {
+    Ok(SteadyRows {
         rate,
         secs,
-        rows: total,
-        delivery,
-        early,
-        p50_ms: percentile(&lateness, 50.0),
-        p90_ms: percentile(&lateness, 90.0),
-        p99_ms: percentile(&lateness, 99.0),
-        max_ms: lateness.last().copied().unwrap_or(f64::NAN),
-        mean_ms: lateness.iter().sum::<f64>() / lateness.len().max(1) as f64,
-        min_insert_lead_ms: min_lead,
-        histogram: histogram(&lateness),
-        daemon: ScanDelta::between(&before, &after),
+        total,
+        delivery: Delivery::check(&got, &expected),
+        lateness: lateness_ms(&got, &deadlines),
+        min_lead,
         complete,
     })
+}
+
+impl SteadyRows {
+    pub(crate) fn measured(self, daemon: ScanDelta) -> Steady {
+        let lateness = &self.lateness;
+        Steady {
+            rate: self.rate,
+            secs: self.secs,
+            rows: self.total,
+            delivery: self.delivery,
+            early: lateness.iter().filter(|l| **l < 0.0).count(),
+            p50_ms: percentile(lateness, 50.0),
+            p90_ms: percentile(lateness, 90.0),
+            p99_ms: percentile(lateness, 99.0),
+            max_ms: lateness.last().copied().unwrap_or(f64::NAN),
+            mean_ms: lateness.iter().sum::<f64>() / lateness.len().max(1) as f64,
+            min_insert_lead_ms: self.min_lead,
+            histogram: histogram(lateness),
+            daemon,
+            complete: self.complete,
+        }
+    }
 }
 
 /// The inserter: every 10 ms, one transaction with every row due within the lead.

@@ -25,8 +25,11 @@ pub(crate) struct Summed {
     pub(crate) pass: Option<bool>,
 }
 
+/// One measurement of one run: name, unit, value, target.
+pub(crate) type Measurement = (String, &'static str, f64, Option<Want>);
+
 /// The measurements of one run, in table order.
-fn measurements(r: &Report) -> Vec<(String, &'static str, f64, Option<Want>)> {
+fn measurements(r: &Report) -> Vec<Measurement> {
     let publish = r.publish.rows_per_sec;
     let limit = r.limit.best.msgs_per_sec;
     let mut m = vec![
@@ -204,16 +207,16 @@ fn measurements(r: &Report) -> Vec<(String, &'static str, f64, Option<Want>)> {
         r.memory.burst_peak_mib,
         None,
     ));
+    if let Some(f) = &r.scrape_flood {
+        m.extend(flood_measurements(f));
+    }
     if let Some(d) = &r.delayed {
         m.extend(delayed_measurements(d, publish));
     }
     m
 }
 
-fn delayed_measurements(
-    d: &Delayed,
-    publish: f64,
-) -> Vec<(String, &'static str, f64, Option<Want>)> {
+fn delayed_measurements(d: &Delayed, publish: f64) -> Vec<Measurement> {
     let mut m = vec![(
         "delayed: broker alone (quorum queue)".to_owned(),
         "msgs/s",
@@ -245,7 +248,11 @@ fn delayed_measurements(
 
 /// Median and range of every measurement over `reports` (all runs of one plan).
 pub(crate) fn summarize(reports: &[Report]) -> Vec<Summed> {
-    let per_run: Vec<_> = reports.iter().map(measurements).collect();
+    summarize_runs(&reports.iter().map(measurements).collect::<Vec<_>>())
+}
+
+/// Median and range of every measurement of the first run over all runs.
+pub(crate) fn summarize_runs(per_run: &[Vec<Measurement>]) -> Vec<Summed> {
     let Some(first) = per_run.first() else {
         return Vec::new();
     };
