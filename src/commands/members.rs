@@ -20,6 +20,7 @@ use crate::admission::{Admission, Policy, RejectedCount};
 use crate::bus::Bus;
 use crate::cli::MembersArgs;
 use crate::config::Settings;
+use crate::telemetry::Shown;
 use crate::wire::announcement::Announcement;
 
 #[derive(Debug, Clone, Serialize)]
@@ -173,7 +174,7 @@ fn print(members: &[Seen], rejected: &RejectedCount, json: bool) -> anyhow::Resu
             "{} announcements did not count ({}); the last: {}, from broker user {:?}",
             rejected.total,
             reasons.join(", "),
-            last.detail,
+            Shown(&last.detail),
             last.user_id.as_deref().unwrap_or("(none)")
         );
     }

@@ -85,9 +85,10 @@ fn print_row(r: &PendingRow) {
 
 fn print_delayed(r: &PendingDelayed) {
     println!(
-        "delayed {}  {}  message_id={:?}  exchange={:?} key={:?} bytes={} attempts={}{}{}",
+        "delayed {}  {}  owner={:?} message_id={:?}  exchange={:?} key={:?} bytes={} attempts={}{}{}",
         r.id,
         r.deliver_at.to_rfc3339(),
+        r.owner,
         r.message_id,
         r.exchange,
         r.routing_key,
