@@ -61,8 +61,10 @@ impl Setup {
     async fn new(overrides: &[(&str, &str)]) -> Self {
         let mut realm = Realm::new().await;
         let mut world = World::new().await;
-        let daemon_url = realm.user("timeoutd", &daemon_rights(&world.group)).await;
         let admin_url = realm.user("admin", &Rights::all()).await;
+        // RabbitMQ 4 sets topic permissions only on an exchange that exists.
+        declare_announcements(&admin_url).await;
+        let daemon_url = realm.user("timeoutd", &daemon_rights(&world.group)).await;
         world
             .overrides
             .push(("TIMEOUTD__AMQP__URL".into(), daemon_url.clone()));
@@ -528,7 +530,6 @@ async fn an_upgrade_from_a_version_without_proof_counts_old_nodes_only_when_aske
         )])
         .await;
         let group = setup.world.group.clone();
-        declare_announcements(&setup.admin_url).await;
         let old = tokio::spawn({
             let (url, group) = (setup.daemon_url.clone(), group.clone());
             async move { legacy_node(&url, &group, OLD, Duration::from_secs(8)).await }
