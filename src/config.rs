@@ -207,6 +207,11 @@ pub struct Http {
     /// `/metrics` only ever shows the last counts (and their age).
     #[serde(with = "humantime_serde")]
     pub pending_refresh: Duration,
+    /// Open connections one remote address may hold (loopback peers: unlimited).
+    pub max_connections_per_client: u32,
+    /// A connection is closed this long after it was accepted, whatever it is doing.
+    #[serde(with = "humantime_serde")]
+    pub connection_lifetime: Duration,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
@@ -370,6 +375,20 @@ impl Settings {
             return Err(ConfigError::invalid(
                 "http.pending_refresh",
                 "must be 100ms to 1h",
+            ));
+        }
+        check_range(
+            "http.max_connections_per_client",
+            self.http.max_connections_per_client,
+            1,
+            10_000,
+        )?;
+        if !(MIN_CONNECTION_LIFETIME..=MAX_CONNECTION_LIFETIME)
+            .contains(&self.http.connection_lifetime)
+        {
+            return Err(ConfigError::invalid(
+                "http.connection_lifetime",
+                "must be 1s to 1h",
             ));
         }
         self.validate_delay()?;
@@ -674,6 +693,10 @@ const MAX_INGEST_LINGER: Duration = Duration::from_secs(1);
 const MAX_PROBE_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Counting the tables more often would be a scan loop of its own on the database.
+/// Shorter would cut a scrape of a large /metrics on a slow link.
+const MIN_CONNECTION_LIFETIME: Duration = Duration::from_secs(1);
+/// Longer lets a held connection outlast any reason to keep it.
+const MAX_CONNECTION_LIFETIME: Duration = Duration::from_secs(3600);
 const MIN_PENDING_REFRESH: Duration = Duration::from_millis(100);
 /// Counts older than this tell an operator nothing about the backlog.
 const MAX_PENDING_REFRESH: Duration = Duration::from_secs(3600);

@@ -80,7 +80,11 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let health = Arc::new(Health::default());
     let probe = Arc::new(Probe::new(&settings, node_id, health.clone()));
     let stop = shutdown.child_token();
-    let (http_addr, http) = http::bind(settings.http_listen()?, probe.clone(), stop.clone())
+    let limits = http::Limits {
+        max_per_client: settings.http.max_connections_per_client as usize,
+        lifetime: settings.http.connection_lifetime,
+    };
+    let (http_addr, http) = http::bind(settings.http_listen()?, limits, probe.clone(), stop.clone())
         .await
         .with_context(|| format!("binding http.listen {}", settings.http.listen))?;
     tracing::info!(%http_addr, "serving /healthz /readyz /status /metrics");

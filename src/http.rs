@@ -24,6 +24,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::status::{Probe, Snapshot};
 
+mod guard;
+pub(crate) use guard::Limits;
+
 /// The server thread's nice value: the firing threads (0) get about ten times its share
 /// of a contended CPU, and it still answers the kubelet's probes under load.
 #[cfg(target_os = "linux")]
@@ -38,6 +41,7 @@ const GRACE: Duration = Duration::from_secs(1);
 pub(crate) struct Server {
     /// Bound, and not tied to the daemon's runtime: it is served on the server's own.
     listener: std::net::TcpListener,
+    limits: Limits,
     app: Router,
     stop: CancellationToken,
 }
@@ -63,12 +67,13 @@ impl Server {
             .build()?;
         let Self {
             listener,
+            limits,
             app,
             stop,
         } = self;
         // Dropping the runtime when this returns drops every connection still open.
         runtime.block_on(async move {
-            let listener = TcpListener::from_std(listener)?;
+            let listener = guard::Guarded::new(TcpListener::from_std(listener)?, limits);
             let serve =
                 axum::serve(listener, app).with_graceful_shutdown(stop.clone().cancelled_owned());
             tokio::select! {
@@ -98,6 +103,7 @@ fn give_way() {}
 /// Bind now (so a bad address fails the start, and port 0 is resolved).
 pub(crate) async fn bind(
     addr: SocketAddr,
+    limits: Limits,
     probe: Arc<Probe>,
     stop: CancellationToken,
 ) -> std::io::Result<(SocketAddr, Server)> {
@@ -112,6 +118,7 @@ pub(crate) async fn bind(
         .with_state(probe);
     let server = Server {
         listener,
+        limits,
         app,
         stop,
     };

@@ -603,3 +603,93 @@ async fn watch_sessions(
     seen.observer_pids = pids.len();
     seen
 }
+
+/// This machine's address on its way out (not loopback): connections from it count as a
+/// remote client's.
+fn outbound_ip() -> std::net::IpAddr {
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0").expect("udp");
+    // Connecting a UDP socket sends nothing; it only picks the route.
+    probe.connect("10.255.255.255:9").expect("a route out");
+    let ip = probe.local_addr().expect("local").ip();
+    assert!(!ip.is_loopback(), "no non-loopback address: {ip}");
+    ip
+}
+
+/// A connection from `from` to `to`, as a remote client would open it.
+async fn connect_from(from: std::net::IpAddr, to: SocketAddr) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind(SocketAddr::new(from, 0)).expect("bind");
+    socket.connect(to).await.expect("connect")
+}
+
+/// How long until the server closes `stream` (a read returns end of file or an error).
+async fn closed_after(mut stream: tokio::net::TcpStream, limit: Duration) -> Option<Duration> {
+    let start = std::time::Instant::now();
+    let mut buf = [0u8; 64];
+    match tokio::time::timeout(limit, stream.read(&mut buf)).await {
+        Ok(Ok(0)) | Ok(Err(_)) => Some(start.elapsed()),
+        Ok(Ok(_)) => panic!("the server sent bytes without a request"),
+        Err(_) => None,
+    }
+}
+
+/// A remote client holds at most `http.max_connections_per_client` connections (more
+/// are closed at once) and none longer than `http.connection_lifetime`, idle or not;
+/// loopback peers (the pod's own) are not limited meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_holds_neither_many_connections_nor_one_for_ever() {
+    let mut world = World::new().await;
+    world.overrides.extend([
+        ("TIMEOUTD__HTTP__LISTEN".to_owned(), "0.0.0.0:0".to_owned()),
+        (
+            "TIMEOUTD__HTTP__MAX_CONNECTIONS_PER_CLIENT".to_owned(),
+            "4".to_owned(),
+        ),
+        (
+            "TIMEOUTD__HTTP__CONNECTION_LIFETIME".to_owned(),
+            "3s".to_owned(),
+        ),
+    ]);
+    world.migrate().await;
+    let node = world.start().await;
+    let port = node.http_addr.port();
+    let remote = outbound_ip();
+    let to = SocketAddr::new(remote, port);
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(connect_from(remote, to).await);
+    }
+    let opened = std::time::Instant::now();
+    // Accepted in order: the first four hold their slots, the fifth and sixth are over.
+    for _ in 0..2 {
+        let over = connect_from(remote, to).await;
+        let closed = closed_after(over, Duration::from_secs(2)).await;
+        assert!(closed.is_some(), "a fifth connection is closed at once");
+    }
+    // Loopback peers are not limited: six held, a seventh served.
+    let loopback = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut local = Vec::new();
+    for _ in 0..6 {
+        local.push(tokio::net::TcpStream::connect(loopback).await.expect("loopback"));
+    }
+    assert_eq!(get(loopback, "/healthz").await.0, 200, "loopback not limited");
+    drop(local);
+    // The held ones end at the lifetime, idle as they are.
+    let ends = futures_util::future::join_all(
+        held.into_iter()
+            .map(|s| closed_after(s, Duration::from_secs(30))),
+    )
+    .await;
+    for end in ends {
+        assert!(end.is_some(), "an idle connection outlived the lifetime");
+    }
+    assert!(
+        opened.elapsed() >= Duration::from_secs(2),
+        "closed before the lifetime: {:?}",
+        opened.elapsed()
+    );
+    // Their slots are free again.
+    assert_eq!(get(to, "/healthz").await.0, 200);
+    node.stop().await;
+    world.cleanup().await;
+}
