@@ -84,9 +84,10 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         max_per_client: settings.http.max_connections_per_client as usize,
         lifetime: settings.http.connection_lifetime,
     };
-    let (http_addr, http) = http::bind(settings.http_listen()?, limits, probe.clone(), stop.clone())
-        .await
-        .with_context(|| format!("binding http.listen {}", settings.http.listen))?;
+    let (http_addr, http) =
+        http::bind(settings.http_listen()?, limits, probe.clone(), stop.clone())
+            .await
+            .with_context(|| format!("binding http.listen {}", settings.http.listen))?;
     tracing::info!(%http_addr, "serving /healthz /readyz /status /metrics");
     let (role_tx, role_rx) = watch::channel(Role::Passive);
     let (lease_tx, lease_rx) = watch::channel(LeaseView::none(Instant::now()));

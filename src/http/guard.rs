@@ -208,7 +208,10 @@ mod tests {
         let a = g.admit(remote).expect("first");
         let _b = g.admit(remote).expect("second");
         assert!(g.admit(remote).is_none(), "a third is refused");
-        assert!(g.admit(other).is_some(), "another address has its own share");
+        assert!(
+            g.admit(other).is_some(),
+            "another address has its own share"
+        );
         drop(a);
         assert!(g.admit(remote).is_some(), "a slot given back is free again");
     }

@@ -670,9 +670,17 @@ async fn a_client_holds_neither_many_connections_nor_one_for_ever() {
     let loopback = SocketAddr::from(([127, 0, 0, 1], port));
     let mut local = Vec::new();
     for _ in 0..6 {
-        local.push(tokio::net::TcpStream::connect(loopback).await.expect("loopback"));
+        local.push(
+            tokio::net::TcpStream::connect(loopback)
+                .await
+                .expect("loopback"),
+        );
     }
-    assert_eq!(get(loopback, "/healthz").await.0, 200, "loopback not limited");
+    assert_eq!(
+        get(loopback, "/healthz").await.0,
+        200,
+        "loopback not limited"
+    );
     drop(local);
     // The held ones end at the lifetime, idle as they are.
     let ends = futures_util::future::join_all(
