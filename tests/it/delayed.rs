@@ -705,13 +705,21 @@ async fn a_locked_expectations_table_holds_up_neither_delayed_messages_nor_the_r
     );
     left_active.abort();
     lock.rollback().await.expect("unlock");
-    let late: Vec<i64> = inbox
+    let mut late: Vec<i64> = inbox
         .all()
         .iter()
         .map(|got| (got.at - due[&got.message_id()]).num_milliseconds())
         .collect();
+    late.sort_unstable();
+    // Blocked behind the locked table, every tick would cost about a second (the lock
+    // timeout): most messages late by hundreds of ms. On time, most are late by a few
+    // ms; one stall of a loaded machine may hold a few of them, never for long.
+    let under = |ms: i64| late.iter().filter(|l| **l < ms).count();
     assert!(
-        late.iter().all(|ms| (0..500).contains(ms)),
+        late[0] >= 0
+            && late[late.len() / 2] < 100
+            && under(500) * 5 >= late.len() * 4
+            && under(2000) == late.len(),
         "lateness (ms) while the other table was locked: {late:?}"
     );
     node.stop().await;
