@@ -320,10 +320,16 @@ impl Admission {
         let r = &mut self.rejected;
         r.total += 1;
         *r.by_reason.entry(e.kind()).or_default() += 1;
-        // Best effort, for the operator: which id the body claims.
-        let node_id = serde_json::from_slice::<serde_json::Value>(&envelope.body)
-            .ok()
-            .and_then(|v| v.get("node_id")?.as_str()?.parse().ok());
+        // Best effort, for the operator: which id the body claims (a body too large to
+        // judge is not read for it either: a flood of them must stay cheap).
+        #[derive(serde::Deserialize)]
+        struct Claim {
+            node_id: Uuid,
+        }
+        let node_id = (envelope.body.len() <= crate::wire::announcement::MAX_BODY)
+            .then(|| serde_json::from_slice::<Claim>(&envelope.body).ok())
+            .flatten()
+            .map(|c| c.node_id);
         r.last = Some(LastRejected {
             reason: e.kind(),
             detail: e.to_string(),
