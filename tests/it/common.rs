@@ -315,7 +315,7 @@ impl Inbox {
 
 /// An exclusive server-named queue, optionally bound to `(exchange, key)` (declared with
 /// the given options), consumed without acks.
-async fn consumed_queue(
+pub async fn consumed_queue(
     ch: &lapin::Channel,
     binding: Option<(&str, &str, ExchangeDeclareOptions)>,
 ) -> (String, lapin::Consumer) {

@@ -11,7 +11,7 @@ use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, L
 use lapin::{BasicProperties, Channel};
 use timeoutd::election::Role;
 
-use crate::common::{Inbox, World, amqp, wait_for, wait_for_async};
+use crate::common::{Inbox, World, wait_for, wait_for_async};
 
 /// A world whose delayed messages go to a target exchange of its own, or to any `t.*`.
 pub async fn delayed_world() -> (World, String) {
@@ -32,7 +32,12 @@ pub async fn delayed_world() -> (World, String) {
 
 /// A publisher with confirms, as a plugin user's would be.
 pub async fn publisher() -> (lapin::Connection, Channel) {
-    let conn = amqp().await;
+    publisher_at(&crate::common::amqp_url()).await
+}
+
+/// As [`publisher`], logged in as (and in the vhost of) `url`.
+pub async fn publisher_at(url: &str) -> (lapin::Connection, Channel) {
+    let conn = crate::common::amqp_at(url).await;
     let ch = conn.create_channel().await.expect("channel");
     ch.confirm_select(ConfirmSelectOptions::default())
         .await

@@ -12,18 +12,18 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions,
+    BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use timeoutd::election::Role;
 
 use crate::common::{World, wait_for, wait_for_async};
-use crate::delayed::{count, headers, publish, usage_drift};
+use crate::delayed::{count, headers, publish, publisher_at, usage_drift};
 use crate::http::get;
 use crate::principals::{Realm, Rights};
 
@@ -131,6 +131,13 @@ struct Got {
     data: Vec<u8>,
 }
 
+impl Got {
+    fn message_id(&self) -> String {
+        let id = self.properties.message_id().as_ref();
+        id.map(|s| s.to_string()).unwrap_or_default()
+    }
+}
+
 /// One queue of the admin's, bound to exchanges, collecting what arrives.
 struct Tap {
     queue: String,
@@ -141,9 +148,7 @@ struct Tap {
 
 impl Tap {
     async fn new(url: &str, name: &str) -> Self {
-        let conn = Connection::connect(url, ConnectionProperties::default())
-            .await
-            .expect("admin connects");
+        let conn = crate::common::amqp_at(url).await;
         let ch = conn.create_channel().await.expect("channel");
         ch.queue_declare(
             name.into(),
@@ -214,7 +219,7 @@ impl Tap {
             .lock()
             .expect("lock")
             .iter()
-            .filter_map(|d| d.properties.message_id().as_ref().map(|s| s.to_string()))
+            .map(Got::message_id)
             .collect()
     }
 
@@ -222,18 +227,6 @@ impl Tap {
     fn all(&self) -> Vec<Got> {
         self.got.lock().expect("lock").clone()
     }
-}
-
-/// A confirming publisher logged in as `url`.
-async fn connect(url: &str) -> (Connection, Channel) {
-    let conn = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .expect("publisher connects");
-    let ch = conn.create_channel().await.expect("channel");
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .expect("confirms");
-    (conn, ch)
 }
 
 fn text(s: &str) -> AMQPValue {
@@ -322,7 +315,7 @@ async fn a_write_only_publisher_cannot_use_the_daemons_rights() {
             .map(|(id, x, k)| (id, x.map(str::to_owned), k.to_owned()))
             .collect();
         sending.push(tokio::spawn(async move {
-            let (_conn, ch) = connect(&url).await;
+            let (_conn, ch) = publisher_at(&url).await;
             for (id, x, key) in half {
                 let mut h = vec![
                     ("X-Timeoutd-User-Id", text("admin")),
@@ -456,7 +449,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     let ingress = stage.world.ingress();
     let node = stage.active_node().await;
     {
-        let (_conn, ch) = connect(&attacker_url).await;
+        let (_conn, ch) = publisher_at(&attacker_url).await;
         let forged = BasicProperties::default().with_user_id(victim.as_str().into());
         let refused = ch
             .basic_publish(
@@ -497,7 +490,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     // Before: for even ids, a copy pending for a day (as anonymous and as itself), for
     // odd ones a cancel to be remembered.
     {
-        let (_conn, ch) = connect(&attacker_url).await;
+        let (_conn, ch) = publisher_at(&attacker_url).await;
         for (i, id) in ids.iter().enumerate() {
             for user in [None, Some(attacker.as_str())] {
                 if i % 2 == 0 {
@@ -521,7 +514,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
         let (ids, ingress, due, victim) =
             (ids.clone(), ingress.clone(), due.clone(), victim.clone());
         tokio::spawn(async move {
-            let (_conn, ch) = connect(&victim_url).await;
+            let (_conn, ch) = publisher_at(&victim_url).await;
             let mut rng = StdRng::seed_from_u64(seed);
             for id in ids {
                 let delay: i64 = rng.random_range(1500..3500);
@@ -538,7 +531,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     let attacker_task = {
         let (ids, ingress, attacker) = (ids.clone(), ingress.clone(), attacker.clone());
         tokio::spawn(async move {
-            let (_conn, ch) = connect(&attacker_url).await;
+            let (_conn, ch) = publisher_at(&attacker_url).await;
             for _ in 0..3 {
                 for id in &ids {
                     for user in [None, Some(attacker.as_str())] {
@@ -557,12 +550,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     let due = due.lock().expect("lock").clone();
     let mut seen: HashMap<String, usize> = HashMap::new();
     for d in inbox.all() {
-        let id = d
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.to_string())
-            .unwrap_or_default();
+        let id = d.message_id();
         assert_eq!(
             d.data, b"victim",
             "only the victim's copy is delivered ({id})"
@@ -588,12 +576,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     .await;
     for d in inbox.all() {
         let at = d.at;
-        let id = d
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.to_string())
-            .unwrap_or_default();
+        let id = d.message_id();
         let (sent, delay) = due[&id];
         let Some(AMQPValue::LongLongInt(held)) = d
             .properties
@@ -611,7 +594,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     }
     // An operator's cancel names the owner too: by another owner, it is not pending.
     {
-        let (_conn, ch) = connect(&victim_later).await;
+        let (_conn, ch) = publisher_at(&victim_later).await;
         let props = BasicProperties::default()
             .with_message_id("by-cli".into())
             .with_user_id(victim.as_str().into())
@@ -673,7 +656,7 @@ async fn what_one_publisher_can_store_is_bounded() {
     let ingress = stage.world.ingress();
     let later = || headers(vec![("x-delay", AMQPValue::LongLongInt(600_000))]);
     {
-        let (_conn, ch) = connect(&flooder_url).await;
+        let (_conn, ch) = publisher_at(&flooder_url).await;
         let props = |id: &str| {
             BasicProperties::default()
                 .with_message_id(id.into())
@@ -695,7 +678,7 @@ async fn what_one_publisher_can_store_is_bounded() {
         }
     }
     {
-        let (_conn, ch) = connect(&heavy_url).await;
+        let (_conn, ch) = publisher_at(&heavy_url).await;
         for i in 0..5 {
             let props = BasicProperties::default()
                 .with_message_id(format!("heavy-{i}").into())
@@ -705,7 +688,7 @@ async fn what_one_publisher_can_store_is_bounded() {
         }
     }
     {
-        let (_conn, ch) = connect(&other_url).await;
+        let (_conn, ch) = publisher_at(&other_url).await;
         let props = BasicProperties::default()
             .with_message_id("unaffected".into())
             .with_user_id(other.as_str().into());

@@ -10,17 +10,14 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use futures_util::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
-    QueueDeclareOptions,
-};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use timeoutd::client::Expectation;
 use timeoutd::wire::announcement::{Announcement, MESSAGE_TYPE, SIGNATURE_HEADER};
 use uuid::Uuid;
 
-use crate::common::{Inbox, Proc, World, amqp_at, wait_for, wait_for_async};
+use crate::common::{Inbox, Proc, World, amqp_at, consumed_queue, wait_for, wait_for_async};
 use crate::http::{get, metric};
 use crate::principals::{Realm, Rights, names};
 
@@ -353,31 +350,11 @@ async fn with_a_group_secret_replays_and_forgeries_do_not_count() {
 
     // Capture the group's announcements for a few seconds, as any member's user may.
     let ch = shared.create_channel().await.expect("channel");
-    let q = ch
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions::exclusive(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("queue");
-    ch.queue_bind(
-        q.name().clone(),
-        ANNOUNCE.into(),
-        group.as_str().into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .expect("bind");
-    let no_ack = BasicConsumeOptions {
-        no_ack: true,
-        ..BasicConsumeOptions::default()
+    let durable = lapin::options::ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
     };
-    let mut consumer = ch
-        .basic_consume(q.name().clone(), "".into(), no_ack, FieldTable::default())
-        .await
-        .expect("consume");
+    let (_, mut consumer) = consumed_queue(&ch, Some((ANNOUNCE, &group, durable))).await;
     let mut captured = Vec::new();
     let until = Instant::now() + Duration::from_secs(3);
     while let Ok(Some(Ok(d))) = tokio::time::timeout(
