@@ -4,16 +4,16 @@
 
 mod convert;
 mod ingress;
+mod proof;
 mod publish;
 
 pub use convert::{lapin_properties, wire_properties};
 pub use ingress::{Arrived, DELIVERY_LIMIT, Ingress, IngressSpec};
 pub use publish::{Budget, Fate, HANDED_OVER_TOGETHER, PublishError, Published, ToPublish};
 
-use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
@@ -32,9 +32,6 @@ use crate::wire::announcement::{Envelope, SIGNATURE_HEADER};
 /// Heartbeat asked of the broker when the URL does not say: a dead peer is noticed in
 /// about two intervals instead of the broker default of a minute.
 const DEFAULT_HEARTBEAT_SECS: u16 = 5;
-/// How long an exchange that accepted one of our messages is trusted with a whole batch
-/// (see `publish`): after that, its next message is a pilot again.
-const EXCHANGE_TRUST: Duration = Duration::from_secs(60);
 /// Idle confirm channels kept for the next batches.
 const IDLE_CHANNELS: usize = 16;
 /// Bound on the announcement queue, so a stalled node cannot pile up a backlog.
@@ -76,8 +73,8 @@ pub struct Bus {
     announce: Channel,
     /// Confirm channels not in use by a batch.
     idle: Mutex<Vec<Channel>>,
-    /// Exchanges that recently accepted a message, and when.
-    trusted: Mutex<HashMap<String, Instant>>,
+    /// What the broker recently accepted from us (see `proof`).
+    proofs: Mutex<proof::Proofs>,
     settings: config::Amqp,
     group: String,
     /// The broker user of `amqp.url`: our announcements' `user_id`.
@@ -116,7 +113,7 @@ impl Bus {
             conn,
             announce,
             idle: Mutex::new(Vec::new()),
-            trusted: Mutex::new(HashMap::new()),
+            proofs: Mutex::new(proof::Proofs::default()),
             settings: settings.clone(),
             group: group.to_owned(),
             user,
@@ -194,20 +191,8 @@ impl Bus {
         }
     }
 
-    /// Exchanges that accepted one of our messages within `EXCHANGE_TRUST`.
-    fn trusted_exchanges(&self) -> HashSet<String> {
-        let mut trusted = lock(&self.trusted);
-        let now = Instant::now();
-        trusted.retain(|_, at| now.duration_since(*at) < EXCHANGE_TRUST);
-        trusted.keys().cloned().collect()
-    }
-
-    fn trust(&self, exchange: &str) {
-        lock(&self.trusted).insert(exchange.to_owned(), Instant::now());
-    }
-
-    fn distrust(&self, exchange: &str) {
-        lock(&self.trusted).remove(exchange);
+    fn proofs(&self) -> MutexGuard<'_, proof::Proofs> {
+        lock(&self.proofs)
     }
 
     /// Close the connection politely (bounded).

@@ -1,29 +1,28 @@
 //! Publishing one batch with confirms, and the fate of every message in it.
 //!
 //! Each message's fate comes from facts about that message, never from ordering luck:
-//! - a batch publishes on confirm channels of its own, one per exchange (taken from a
-//!   pool, given back only when every confirm came in), so concurrent batches never see
-//!   each other's returns, confirms or channel closes, and a refusal that closes a
-//!   channel touches no other exchange's messages;
+//! - a batch publishes on confirm channels of its own (taken from a pool, given back
+//!   only when every confirm came in), so concurrent batches never see each other's
+//!   returns, confirms or channel closes;
 //! - a returned (unroutable) message is matched by its `message_id`, which the broker
 //!   sends back with it: lapin hands a return to whichever confirm resolves next, so the
 //!   confirm it arrives with says nothing about which message it was;
-//! - what can be checked before publishing is (names, size against
-//!   `amqp.max_message_size`);
-//! - refusals that close a channel (exchange missing or internal, access refused, a
-//!   broker limit) must hit one message only. So a message goes out *alone* on a channel
-//!   of its own when its exchange has not accepted one of our messages recently, or when
-//!   the caller asks (a message whose fate was unknown after a channel close). The first
-//!   message to an exchange is its pilot: once confirmed (or returned: the exchange
-//!   exists and accepts us) the exchange is trusted and the rest follow, pipelined. If an
-//!   exchange refuses the pilot (404/403), every message of the batch for that exchange
-//!   fails with that reason (permissions are judged per exchange, not per routing key);
-//!   any other refusal fails the pilot alone and the next message for that exchange
-//!   becomes the pilot. Pilots and the trusted exchanges' messages go out side by side.
+//! - what the broker would refuse by closing the channel is checked before publishing
+//!   where it can be (names, size, `expiration`, `reply_to`, `CC`/`BCC`); the rest —
+//!   an exchange missing or refusing us, a routing key a topic permission refuses, a
+//!   body over the broker's own size limit — is learnt from *pilots*: a message shares
+//!   a channel only with what the broker already accepted from us (see [`proof`]), and
+//!   anything else goes out alone, so a refusal closes a channel that carried nothing
+//!   but the message it is about;
+//! - a pilot's refusal is judged by what it concerns: a missing or refusing exchange
+//!   fails every message of the batch for that exchange (or, for a topic permission,
+//!   for that exchange and routing key) with that reason; a refusal of the message itself
+//!   fails it alone and the others go on.
 //!
-//! The whole batch is bounded by a [`Budget`]: no message is sent after `send_until` or
-//! once `stop` is cancelled, no channel opening, write or confirm is awaited past
-//! `confirm_until`.
+//! The batch goes out in waves: pilots and the proven messages side by side, then what
+//! the pilots' answers released. The whole batch is bounded by a [`Budget`]: no message
+//! is sent after `send_until` or once `stop` is cancelled, no channel opening, write or
+//! confirm is awaited past `confirm_until`.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -38,13 +37,14 @@ use tokio::time::timeout_at;
 use tokio_util::sync::CancellationToken;
 
 use super::convert::{lapin_properties, short};
+use super::proof::{self, Job, Refusal, Shape};
 use super::{Bus, BusError};
-use crate::wire::Message;
+use crate::wire::{Message, Properties, Value};
 
 /// Messages of a shared channel handed to lapin at once (see `publish_shared`). Under
 /// flow control, the part in flight may time out; the parts after it stay unsent.
 pub const HANDED_OVER_TOGETHER: usize = 64;
-/// Pilot chains and shared groups in flight at once (each holds a channel).
+/// Pilots and shared groups in flight at once (each holds a channel).
 const JOBS_PARALLEL: usize = 8;
 
 /// One message to publish with a confirm.
@@ -70,7 +70,9 @@ impl<'a> Outgoing<'a> {
     /// The message in lapin's types, and why it cannot be published, if it cannot.
     fn of(m: &'a ToPublish) -> (Self, Option<PublishError>) {
         let message = &m.message;
-        let (properties, invalid) = match lapin_properties(&message.properties) {
+        let (properties, invalid) = match refused_properties(&message.properties)
+            .map_or_else(|| lapin_properties(&message.properties), Err)
+        {
             Ok(p) => (p, None),
             Err(e) => (BasicProperties::default(), Some(e)),
         };
@@ -84,6 +86,48 @@ impl<'a> Outgoing<'a> {
         };
         (outgoing, invalid)
     }
+
+    fn shape(&self) -> Shape<'a> {
+        Shape {
+            exchange: self.exchange,
+            routing_key: self.routing_key,
+            size: self.body.len(),
+            alone: self.alone,
+        }
+    }
+}
+
+/// Properties RabbitMQ refuses by closing the channel (`rabbit_channel`'s checks on
+/// `basic.publish`), so that no such message is ever sent.
+fn refused_properties(p: &Properties) -> Option<PublishError> {
+    if let Some(e) = p.expiration.as_deref().filter(|e| !valid_expiration(e)) {
+        return Some(PublishError::Invalid(format!(
+            "expiration {e:?} is not a number of milliseconds up to 4294967295"
+        )));
+    }
+    // Direct reply-to works only on the requester's own channel.
+    if p.reply_to.as_deref() == Some(DIRECT_REPLY_TO) {
+        return Some(PublishError::Invalid(format!(
+            "reply_to {DIRECT_REPLY_TO} cannot be delayed: only the requester's own \
+             channel may publish with it"
+        )));
+    }
+    p.headers
+        .iter()
+        .find(|(k, v)| (k == "CC" || k == "BCC") && !matches!(v, Value::Array(_)))
+        .map(|(k, _)| PublishError::Invalid(format!("header {k} must be an array")))
+}
+
+const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
+
+/// As RabbitMQ reads it: an integer (an optional `+`, digits) from 0 to 2^32 - 1.
+fn valid_expiration(e: &str) -> bool {
+    let digits = e.strip_prefix('+').unwrap_or(e);
+    !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && digits
+            .parse::<u64>()
+            .is_ok_and(|n| n <= u64::from(u32::MAX))
 }
 
 /// Why one message was not confirmed.
@@ -105,7 +149,8 @@ pub enum PublishError {
     /// `wire::delayed::Destinations`): held for an operator, not retried.
     #[error("not allowed, held: {0}")]
     NotAllowed(String),
-    #[error("message of {size} bytes exceeds amqp.max_message_size ({max} bytes)")]
+    /// Over `amqp.max_message_size`, or over the broker's own limit once it refused one.
+    #[error("message of {size} bytes is over the limit of {max} bytes")]
     TooLarge { size: usize, max: usize },
     #[error("channel closed by the broker: {0}")]
     Channel(String),
@@ -185,30 +230,22 @@ pub struct Published {
 /// A pilot's outcome.
 enum Alone {
     Delivered(Fate),
-    /// The exchange refused us: the same answer for every message to it.
-    ExchangeRefused(PublishError),
-    /// This message failed; the exchange may still take others.
-    Failed(PublishError),
+    /// The broker closed the channel under it: what the refusal concerns, and this
+    /// message's failure.
+    Refused(Refusal, PublishError),
+    /// No confirm in time.
+    TimedOut(PublishError),
     Lost(String, BusError),
     NoChannel(BusError),
     /// The budget ran out before it could be sent.
     NotSent,
 }
 
-/// A unit of a batch's publishing, on a channel of its own.
-enum Job {
-    /// Messages of one untrusted exchange (or one message that must go alone): sent
-    /// alone one after the other until the exchange accepts one.
-    Pilot(Vec<usize>),
-    /// Messages of one trusted exchange, pipelined.
-    Shared(Vec<usize>),
-}
-
-/// Decided fates, messages handed on to the batch channel, bus trouble.
+/// Decided fates, messages for the next wave, bus trouble.
 #[derive(Default)]
 struct Decided {
     fates: Vec<(usize, Fate)>,
-    promoted: Vec<usize>,
+    replan: Vec<usize>,
     trouble: Option<BusError>,
     /// When the job handed its last message to the broker.
     sent: Option<Instant>,
@@ -216,35 +253,41 @@ struct Decided {
 
 impl Bus {
     /// Publish `batch` (mandatory, confirm mode) within `budget`; one fate per message.
-    /// Pilots and the trusted exchanges' groups go out at once, side by side; the rest of
-    /// an exchange whose pilot was accepted follows in a second wave.
     pub async fn publish_batch(&self, batch: &[ToPublish], budget: &Budget) -> Published {
         let (batch, invalid): (Vec<Outgoing>, Vec<Option<PublishError>>) =
             batch.iter().map(Outgoing::of).unzip();
-        let mut fates: Vec<Option<Fate>> = batch
-            .iter()
-            .zip(invalid)
-            .map(|(m, invalid)| invalid.or(self.precheck(m).err()).map(Fate::Failed))
-            .collect();
-        let batch = &batch[..];
+        let shapes: Vec<Shape> = batch.iter().map(Outgoing::shape).collect();
+        let mut fates: Vec<Option<Fate>> =
+            invalid.into_iter().map(|e| e.map(Fate::Failed)).collect();
+        let mut pending: Vec<usize> = (0..batch.len()).filter(|&i| fates[i].is_none()).collect();
+        let (batch, shapes) = (&batch[..], &shapes[..]);
         let mut trouble = None;
         let mut sent = None;
-        let mut jobs = self.plan(batch, &fates);
-        while !jobs.is_empty() {
+        while !pending.is_empty() {
+            let view = self.proofs().view(Instant::now());
+            // Checked again each wave: a pilot may have taught the broker's size limit.
+            pending.retain(|&i| match self.precheck(&batch[i], view.limit) {
+                Ok(()) => true,
+                Err(e) => {
+                    fates[i] = Some(Fate::Failed(e));
+                    false
+                }
+            });
+            let jobs = proof::plan(shapes, &pending, &view);
             let done: Vec<Decided> = futures_util::stream::iter(jobs)
-                .map(|job| self.run(batch, job, budget))
+                .map(|job| self.run(batch, shapes, job, budget))
                 .buffer_unordered(JOBS_PARALLEL)
                 .collect()
                 .await;
-            jobs = Vec::new();
+            pending.clear();
             for d in done {
                 d.fates.into_iter().for_each(|(i, f)| fates[i] = Some(f));
-                if !d.promoted.is_empty() {
-                    jobs.push(Job::Shared(d.promoted));
-                }
+                pending.extend(d.replan);
                 trouble = trouble.or(d.trouble);
                 sent = sent.max(d.sent);
             }
+            // Oldest due first, as the batch came.
+            pending.sort_unstable();
         }
         Published {
             fates: fates
@@ -256,19 +299,27 @@ impl Bus {
         }
     }
 
-    async fn run(&self, batch: &[Outgoing<'_>], job: Job, budget: &Budget) -> Decided {
+    async fn run(
+        &self,
+        batch: &[Outgoing<'_>],
+        shapes: &[Shape<'_>],
+        job: Job,
+        budget: &Budget,
+    ) -> Decided {
         match job {
-            Job::Pilot(chain) => self.pilot_chain(batch, chain, budget).await,
-            Job::Shared(idx) => self.publish_shared(batch, &idx, budget).await,
+            Job::Alone { first, rest } => self.run_alone(batch, shapes, first, rest, budget).await,
+            Job::Shared(idx) => self.publish_shared(batch, shapes, &idx, budget).await,
         }
     }
 
-    /// Refuse what the broker would refuse by closing the channel, where we can tell.
-    fn precheck(&self, m: &Outgoing<'_>) -> Result<(), PublishError> {
+    /// Refuse what the broker would refuse by closing the channel, where size and names
+    /// tell: `limit` is the broker's own size limit, once learnt.
+    fn precheck(&self, m: &Outgoing<'_>, limit: Option<usize>) -> Result<(), PublishError> {
         short(m.exchange, "exchange name")?;
         short(m.routing_key, "routing key")?;
         let max = self.settings.max_message_size.as_u64();
         let max = usize::try_from(max).unwrap_or(usize::MAX);
+        let max = limit.map_or(max, |l| l.min(max));
         if m.body.len() > max {
             return Err(PublishError::TooLarge {
                 size: m.body.len(),
@@ -278,83 +329,71 @@ impl Bus {
         Ok(())
     }
 
-    /// The first wave: a pilot chain per untrusted exchange and per message that must go
-    /// alone, and a shared channel per trusted exchange (a refusal that closes a channel
-    /// then touches no other exchange's messages). Oldest due first within each.
-    fn plan(&self, batch: &[Outgoing<'_>], fates: &[Option<Fate>]) -> Vec<Job> {
-        let trusted = self.trusted_exchanges();
-        let mut untrusted: HashMap<&str, Vec<usize>> = HashMap::new();
-        let mut shared: HashMap<&str, Vec<usize>> = HashMap::new();
-        let mut jobs = Vec::new();
-        for (i, m) in batch.iter().enumerate() {
-            if fates[i].is_some() {
-                continue;
-            }
-            if m.alone {
-                jobs.push(Job::Pilot(vec![i]));
-            } else if trusted.contains(m.exchange) {
-                shared.entry(m.exchange).or_default().push(i);
-            } else {
-                untrusted.entry(m.exchange).or_default().push(i);
-            }
-        }
-        jobs.extend(untrusted.into_values().map(Job::Pilot));
-        jobs.extend(shared.into_values().map(Job::Shared));
-        jobs
-    }
-
-    /// Send the chain's messages alone, one after the other, until the exchange accepts
-    /// one; the rest then go to the batch channel.
-    async fn pilot_chain(
+    /// Send `first` alone; what becomes of `rest` (messages waiting for what it proves)
+    /// depends on the answer.
+    async fn run_alone(
         &self,
         batch: &[Outgoing<'_>],
-        chain: Vec<usize>,
+        shapes: &[Shape<'_>],
+        first: usize,
+        rest: Vec<usize>,
         budget: &Budget,
     ) -> Decided {
         let mut d = Decided::default();
-        let mut rest = chain.into_iter();
-        while let Some(i) = rest.next() {
-            if !budget.may_send() {
-                d.fates.push((i, Fate::Unsent));
-                continue;
+        let unsent = |d: &mut Decided, rest: Vec<usize>| {
+            d.fates.extend(rest.into_iter().map(|j| (j, Fate::Unsent)));
+        };
+        if !budget.may_send() {
+            d.fates.push((first, Fate::Unsent));
+            unsent(&mut d, rest);
+            return d;
+        }
+        let m = &shapes[first];
+        match self.publish_alone(&batch[first], budget, &mut d.sent).await {
+            Alone::Delivered(fate) => {
+                self.proofs().accepted(m, Instant::now());
+                d.fates.push((first, fate));
+                d.replan = rest;
             }
-            match self.publish_alone(&batch[i], budget, &mut d.sent).await {
-                Alone::Delivered(fate) => {
-                    self.trust(batch[i].exchange);
-                    d.fates.push((i, fate));
-                    d.promoted.extend(rest);
-                    break;
+            Alone::Refused(refusal, e) => {
+                self.proofs().refused(m, &refusal);
+                d.fates.push((first, Fate::Failed(e.clone())));
+                // The same answer for every message the refusal is about.
+                for j in rest {
+                    let o = &shapes[j];
+                    let same = match refusal {
+                        Refusal::Exchange => o.exchange == m.exchange,
+                        Refusal::RoutingKey => {
+                            o.exchange == m.exchange && o.routing_key == m.routing_key
+                        }
+                        Refusal::Size { .. } | Refusal::Message => false,
+                    };
+                    if same {
+                        d.fates.push((j, Fate::Failed(e.clone())));
+                    } else {
+                        d.replan.push(j);
+                    }
                 }
-                Alone::ExchangeRefused(e) => {
-                    d.fates.push((i, Fate::Failed(e.clone())));
-                    d.fates.extend(rest.map(|j| (j, Fate::Failed(e.clone()))));
-                    break;
-                }
-                // The broker does not answer for this exchange: try it in the next batch
-                // instead of holding this one up message after message.
-                Alone::Failed(e @ PublishError::ConfirmTimeout(_)) => {
-                    d.fates.push((i, Fate::Failed(e)));
-                    d.fates.extend(rest.map(|j| (j, Fate::Unsent)));
-                    break;
-                }
-                Alone::Failed(e) => d.fates.push((i, Fate::Failed(e))),
-                Alone::Lost(why, e) => {
-                    d.fates.push((i, Fate::Unknown(why)));
-                    d.fates.extend(rest.map(|j| (j, Fate::Unsent)));
-                    d.trouble = Some(e);
-                    break;
-                }
-                Alone::NoChannel(e) => {
-                    d.fates.push((i, Fate::Unsent));
-                    d.fates.extend(rest.map(|j| (j, Fate::Unsent)));
-                    d.trouble = Some(e).filter(|e| !e.is_budget());
-                    break;
-                }
-                Alone::NotSent => {
-                    d.fates.push((i, Fate::Unsent));
-                    d.fates.extend(rest.map(|j| (j, Fate::Unsent)));
-                    break;
-                }
+            }
+            // The broker does not answer: try the rest in the next batch instead of
+            // holding this one up message after message.
+            Alone::TimedOut(e) => {
+                d.fates.push((first, Fate::Failed(e)));
+                unsent(&mut d, rest);
+            }
+            Alone::Lost(why, e) => {
+                d.fates.push((first, Fate::Unknown(why)));
+                unsent(&mut d, rest);
+                d.trouble = Some(e);
+            }
+            Alone::NoChannel(e) => {
+                d.fates.push((first, Fate::Unsent));
+                unsent(&mut d, rest);
+                d.trouble = Some(e).filter(|e| !e.is_budget());
+            }
+            Alone::NotSent => {
+                d.fates.push((first, Fate::Unsent));
+                unsent(&mut d, rest);
             }
         }
         d
@@ -390,7 +429,7 @@ impl Bus {
                 let returned = a.returned.into_iter().collect();
                 Alone::Delivered(fate_of(m, Some(a.ack), &returned))
             }
-            Err(Waited::TimedOut(after)) => Alone::Failed(PublishError::ConfirmTimeout(after)),
+            Err(Waited::TimedOut(after)) => Alone::TimedOut(PublishError::ConfirmTimeout(after)),
             Err(Waited::Closed(e)) => self.closed_under(m, &e),
         }
     }
@@ -400,21 +439,28 @@ impl Bus {
         if !self.is_healthy() {
             return Alone::Lost(e.to_string(), BusError::ConnectionLost);
         }
-        match soft_error(e) {
-            Some(AMQPSoftError::NOTFOUND) => {
-                Alone::ExchangeRefused(PublishError::NoExchange(m.exchange.to_owned()))
+        let refusal = refusal_of(e, m.body.len());
+        let failure = match &refusal {
+            Refusal::Exchange if soft_error(e) == Some(AMQPSoftError::NOTFOUND) => {
+                PublishError::NoExchange(m.exchange.to_owned())
             }
-            Some(AMQPSoftError::ACCESSREFUSED) => {
-                Alone::ExchangeRefused(PublishError::Refused(e.to_string()))
+            Refusal::Exchange | Refusal::RoutingKey => PublishError::Refused(e.to_string()),
+            Refusal::Size { limit: Some(max) } => PublishError::TooLarge {
+                size: m.body.len(),
+                max: *max,
+            },
+            Refusal::Size { limit: None } | Refusal::Message => {
+                PublishError::Channel(e.to_string())
             }
-            _ => Alone::Failed(PublishError::Channel(e.to_string())),
-        }
+        };
+        Alone::Refused(refusal, failure)
     }
 
-    /// One trusted exchange's messages, pipelined on a channel of their own.
+    /// Proven messages of one exchange, pipelined on a channel of their own.
     async fn publish_shared(
         &self,
         batch: &[Outgoing<'_>],
+        shapes: &[Shape<'_>],
         idx: &[usize],
         budget: &Budget,
     ) -> Decided {
@@ -472,7 +518,7 @@ impl Bus {
                 .into_iter()
                 .map(|(i, after)| (i, Err(Waited::TimedOut(after)))),
         );
-        let clean = self.judge_shared(batch, waited, &mut d);
+        let clean = self.judge_shared(batch, shapes, waited, &mut d);
         if clean {
             self.give_back(channel);
         }
@@ -487,6 +533,7 @@ impl Bus {
     fn judge_shared(
         &self,
         batch: &[Outgoing<'_>],
+        shapes: &[Shape<'_>],
         waited: Vec<(usize, Result<Answer, Waited>)>,
         d: &mut Decided,
     ) -> bool {
@@ -509,8 +556,12 @@ impl Bus {
                 }
                 Err(Waited::Closed(e)) => {
                     clean = false;
-                    // The exchange may be the reason: prove it again before trusting it.
-                    self.distrust(m.exchange);
+                    // Whatever the reason, prove it again before sharing a channel; and
+                    // learn what the broker's answer says (a size limit, say).
+                    let mut proofs = self.proofs();
+                    proofs.doubt(m.exchange);
+                    proofs.refused(&shapes[i], &refusal_of(&e, 0));
+                    drop(proofs);
                     match fate_of(m, None, &returned) {
                         Fate::Unsent => Fate::Unknown(e.to_string()),
                         known => known,
@@ -614,6 +665,17 @@ fn returned_entry(r: lapin::message::BasicReturnMessage) -> Option<(String, Stri
     Some((id, format!("{} {}", r.reply_code, r.reply_text)))
 }
 
+/// What a channel close under a message of `size` bytes concerns.
+fn refusal_of(e: &lapin::Error, size: usize) -> Refusal {
+    let soft = soft_error(e);
+    Refusal::of(
+        soft == Some(AMQPSoftError::NOTFOUND),
+        soft == Some(AMQPSoftError::ACCESSREFUSED),
+        &e.to_string(),
+        size,
+    )
+}
+
 fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
     match e.kind() {
         lapin::ErrorKind::ProtocolError(p) => match p.kind() {
@@ -621,5 +683,61 @@ fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
             AMQPErrorKind::Hard(_) => None,
         },
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expirations_as_rabbitmq_reads_them() {
+        for ok in ["0", "60000", "+5", "4294967295"] {
+            assert!(valid_expiration(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "-1",
+            " 5",
+            "5 ",
+            "1.5",
+            "4294967296",
+            "+",
+            "abc",
+            "99999999999999999999",
+        ] {
+            assert!(!valid_expiration(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn properties_that_would_close_the_channel_fail_the_message_alone() {
+        let refused = |p: Properties| refused_properties(&p).map(|e| e.reason());
+        assert_eq!(refused(Properties::default()), None);
+        let expiration = Properties {
+            expiration: Some("soon".into()),
+            ..Properties::default()
+        };
+        assert_eq!(refused(expiration), Some("invalid"));
+        let reply_to = Properties {
+            reply_to: Some(DIRECT_REPLY_TO.into()),
+            ..Properties::default()
+        };
+        assert_eq!(refused(reply_to), Some("invalid"));
+        let cc = |v: Value| Properties {
+            headers: vec![("CC".into(), v)],
+            ..Properties::default()
+        };
+        assert_eq!(refused(cc(Value::Str("q".into()))), Some("invalid"));
+        assert_eq!(
+            refused(cc(Value::Array(vec![Value::Str("q".into())]))),
+            None
+        );
+        // Only the broker's own header names count.
+        let other = Properties {
+            headers: vec![("cc".into(), Value::Str("q".into()))],
+            ..Properties::default()
+        };
+        assert_eq!(refused(other), None);
     }
 }

@@ -138,7 +138,7 @@ impl Kind {
             Kind::Unroutable | Kind::MaxAttemptsUnroutable => "NO_ROUTE",
             Kind::MissingExchange => "does not exist",
             Kind::InternalExchange | Kind::DeniedExchange => "ACCESS_REFUSED",
-            Kind::TooLarge => "exceeds amqp.max_message_size",
+            Kind::TooLarge => "is over the limit of",
             Kind::LongProcessId => "longer than 255 bytes",
             _ => "",
         }

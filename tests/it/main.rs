@@ -16,6 +16,7 @@ mod failover;
 mod faults;
 mod firing;
 mod http;
+mod large_rows;
 mod on_time;
 mod principals;
 mod proxy;
