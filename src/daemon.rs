@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -20,6 +20,7 @@ use crate::backoff::Backoff;
 use crate::bus::Bus;
 use crate::config::Settings;
 use crate::election::{LeaseView, Role};
+use crate::fence::{self, Fence};
 use crate::health::Health;
 use crate::http;
 use crate::ingress::{self, Intake};
@@ -28,7 +29,7 @@ use crate::scheduler::{self, Firing};
 pub use crate::shutdown::Exit;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{self, Probe, Snapshot};
-use crate::store::Store;
+use crate::store::{self, Store};
 use crate::telemetry::Chain;
 
 /// A running daemon.
@@ -65,6 +66,7 @@ impl Handle {
 enum Task {
     Node,
     Scan,
+    Fence,
     Http,
     Ingress,
     PendingCounts,
@@ -75,7 +77,7 @@ enum Task {
 pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<Handle> {
     let node_id = Uuid::new_v4();
     let settings = Arc::new(settings);
-    let store = Store::connect_as(&settings.postgres, &format!("timeoutd-{node_id}"))?;
+    let store = Store::connect_as(&settings.postgres, &store::session_name(node_id))?;
     let observer = Store::observer(&settings.postgres, &format!("timeoutd-{node_id}-observe"))?;
     let health = Arc::new(Health::default());
     let probe = Arc::new(Probe::new(&settings, node_id, health.clone()));
@@ -92,6 +94,16 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let (role_tx, role_rx) = watch::channel(Role::Passive);
     let (lease_tx, lease_rx) = watch::channel(LeaseView::none(Instant::now()));
     let (bus_tx, bus_rx) = watch::channel(None::<Arc<Bus>>);
+    let (departed_tx, departed_rx) = mpsc::channel(fence::DEPARTED_QUEUE);
+    let fence = Fence {
+        settings: settings.clone(),
+        node_id,
+        store: store.clone(),
+        role: role_rx.clone(),
+        probe: probe.clone(),
+        departed: departed_rx,
+        stop: stop.clone(),
+    };
     let node = Node {
         settings: settings.clone(),
         node_id,
@@ -100,6 +112,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         bus: bus_tx,
         lease: lease_tx,
         role: role_tx,
+        departed: departed_tx,
         stop: stop.clone(),
     };
     let intake = settings.delay.enabled.then(|| Intake {
@@ -123,6 +136,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let tasks = Tasks {
         node,
         firing,
+        fence,
         http,
         intake,
         observer,
@@ -143,6 +157,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
 struct Tasks {
     node: Node,
     firing: Firing,
+    fence: Fence,
     http: http::Server,
     /// The delayed-message ingress, unless `delay.enabled = false`.
     intake: Option<Intake>,
@@ -169,6 +184,11 @@ async fn supervise(
     set.spawn(async move {
         scheduler::scan_loop(Arc::new(firing)).await;
         (Task::Scan, Ok(Exit::Stopped))
+    });
+    let fence = tasks.fence;
+    set.spawn(async move {
+        fence::fence_loop(fence).await;
+        (Task::Fence, Ok(Exit::Stopped))
     });
     if let Some(intake) = tasks.intake {
         set.spawn(async move {

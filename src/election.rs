@@ -235,6 +235,12 @@ pub enum Output {
     Exit {
         lag: Duration,
     },
+    /// A member went silent for `member_ttl` without saying it was leaving: frozen,
+    /// cut off or dead. Whatever rows it held locked, the active node releases (see
+    /// `fence`).
+    Departed {
+        id: Uuid,
+    },
     /// The node withdrew (`candidate: false`, with the cause) or rejoins (`true`).
     Candidacy {
         candidate: bool,
@@ -608,8 +614,14 @@ impl Election {
     /// Keep the members heard within `member_ttl` (the published version inverted this).
     fn expire(&mut self, now: Instant) {
         let ttl = self.timing.member_ttl;
-        self.members
-            .retain(|_, m| now.saturating_duration_since(m.last_seen) <= ttl);
+        let (me, outputs) = (self.me, &mut self.outputs);
+        self.members.retain(|id, m| {
+            let live = now.saturating_duration_since(m.last_seen) <= ttl;
+            if !live && *id != me {
+                outputs.push_back(Output::Departed { id: *id });
+            }
+            live
+        });
     }
 
     fn check_silence(&mut self, now: Instant) {

@@ -18,6 +18,7 @@ pub mod store;
 pub mod wire;
 
 mod backoff;
+mod fence;
 mod fire;
 mod health;
 mod http;

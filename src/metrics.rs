@@ -99,6 +99,7 @@ pub struct Metrics {
     amqp_connected: Gauge,
     postgres_connected: Gauge,
     role_changes: Counter,
+    fenced: Counter,
     announcements_sent: Counter,
     received: Family<KindLabel, Counter>,
     rejected: Family<ReasonLabel, Counter>,
@@ -134,6 +135,7 @@ impl Metrics {
             amqp_connected: Gauge::default(),
             postgres_connected: Gauge::default(),
             role_changes: Counter::default(),
+            fenced: Counter::default(),
             announcements_sent: Counter::default(),
             received: Family::default(),
             rejected: Family::default(),
@@ -190,6 +192,11 @@ impl Metrics {
             "role_changes",
             "role changes of this node",
             self.role_changes.clone(),
+        );
+        r.register(
+            "fenced_sessions",
+            "database sessions of departed nodes this node ended to release their rows",
+            self.fenced.clone(),
         );
         r.register(
             "announcements_sent",
@@ -318,6 +325,10 @@ impl Metrics {
 
     pub fn set_amqp_connected(&self, connected: bool) {
         self.amqp_connected.set(i64::from(connected));
+    }
+
+    pub fn fenced(&self, sessions: usize) {
+        self.fenced.inc_by(sessions as u64);
     }
 
     pub fn role_changed(&self) {

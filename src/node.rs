@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -34,6 +34,8 @@ pub(crate) struct Node {
     pub(crate) bus: watch::Sender<Option<Arc<Bus>>>,
     pub(crate) lease: watch::Sender<LeaseView>,
     pub(crate) role: watch::Sender<Role>,
+    /// Members that departed without leaving, for the fence task.
+    pub(crate) departed: mpsc::Sender<Uuid>,
     pub(crate) stop: CancellationToken,
 }
 
@@ -323,6 +325,11 @@ impl NodeLoop {
                     "lagging for too long: exiting so the orchestrator restarts us"
                 );
                 self.exit = Some(Exit::Lagging);
+            }
+            Output::Departed { id } => {
+                tracing::warn!(%id, "member departed without leaving (frozen, cut off or dead)");
+                // Full: the fence task is behind; this node's locks end with its session.
+                let _ = self.ctx.departed.try_send(id);
             }
             Output::Candidacy { candidate, reason } => {
                 let failing = self.ctx.health.failing();

@@ -20,6 +20,7 @@ use crate::config;
 
 mod delayed;
 mod expectations;
+mod fence;
 mod settle;
 
 pub use delayed::{
@@ -28,6 +29,7 @@ pub use delayed::{
 };
 pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
 use settle::Writes;
+pub use fence::{Fenced, session_name};
 pub use settle::{Deletes, Failure, Fired, Settlement};
 
 #[derive(Debug, thiserror::Error)]

@@ -13,6 +13,7 @@ mod delayed_chaos;
 mod deletes;
 mod election;
 mod failover;
+mod fencing;
 mod faults;
 mod firing;
 mod http;

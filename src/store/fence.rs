@@ -1,0 +1,61 @@
+//! Ending the database sessions of a node that departed without leaving, so that the
+//! rows it held locked fire now instead of when it wakes up or heals.
+
+use uuid::Uuid;
+
+use super::{Store, StoreError, TABLES};
+
+/// The `application_name` of a node's firing sessions: how an operator tells them apart
+/// in `pg_stat_activity`, and how [`Store::fence`] finds them.
+pub fn session_name(node_id: Uuid) -> String {
+    format!("timeoutd-{node_id}")
+}
+
+/// What one fencing round did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Fenced {
+    /// Sessions ended (they held rows of our tables locked).
+    pub ended: usize,
+    /// Nodes that still have sessions here (locking or not).
+    pub present: Vec<Uuid>,
+}
+
+impl Store {
+    /// End the sessions of `nodes` that hold rows of this schema's tables locked for
+    /// firing (`FOR UPDATE` takes `RowShareLock` on the table; inserts and reads do not),
+    /// and say which of them still have sessions at all. Needs the right to signal
+    /// their backends: the same database role, or `pg_signal_backend`.
+    pub async fn fence(&self, nodes: &[Uuid]) -> Result<Fenced, StoreError> {
+        let names: Vec<String> = nodes.iter().copied().map(session_name).collect();
+        let tables: Vec<String> = TABLES
+            .iter()
+            .map(|t| format!("{}.{}", self.schema, t.name))
+            .collect();
+        let rows: Vec<(String, bool)> = sqlx::query_as(
+            // CASE: only a session that holds rows is ended (AND would not promise the order).
+            "SELECT a.application_name, \
+                    CASE WHEN EXISTS (SELECT 1 FROM pg_locks l \
+                        WHERE l.pid = a.pid AND l.locktype = 'relation' \
+                          AND l.mode = 'RowShareLock' AND l.granted \
+                          AND l.relation = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) t)) \
+                    THEN coalesce(pg_terminate_backend(a.pid), false) ELSE false END \
+             FROM pg_stat_activity a \
+             WHERE a.application_name = ANY($1) AND a.pid <> pg_backend_pid() \
+               AND a.datname = current_database()",
+        )
+        .bind(&names)
+        .bind(&tables)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut fenced = Fenced::default();
+        for (name, ended) in rows {
+            fenced.ended += usize::from(ended);
+            if let Some(id) = nodes.iter().find(|id| session_name(**id) == name)
+                && !fenced.present.contains(id)
+            {
+                fenced.present.push(*id);
+            }
+        }
+        Ok(fenced)
+    }
+}
