@@ -72,9 +72,7 @@ async fn pair() -> Pair {
 fn urls(amqp: SocketAddr, pg: SocketAddr) -> Vec<(String, String)> {
     let pg_url = url::Url::parse(&crate::common::pg_url()).expect("pg url");
     let mut pg_via = pg_url.clone();
-    pg_via
-        .set_host(Some(&pg.ip().to_string()))
-        .expect("host");
+    pg_via.set_host(Some(&pg.ip().to_string())).expect("host");
     pg_via.set_port(Some(pg.port())).expect("port");
     vec![
         (
