@@ -4,6 +4,10 @@
 //! the fault, however long the fault lasts. `SKIP LOCKED` would otherwise make the
 //! active node pass them by until the departed node wakes up or heals.
 //!
+//! Having ended any, it sends the schema's notice without a due time: the freed rows are
+//! behind where its own scan stands (it passed them by), and only a look from the start
+//! finds them.
+//!
 //! The cost: a row the departed node had already published (confirmed or not) but not
 //! yet deleted is published again, with the same `message_id` — the contract's "cannot
 //! know whether the first was delivered".
@@ -73,9 +77,10 @@ pub(crate) async fn fence_loop(mut f: Fence) {
             now.duration_since(*since) < WATCH_FOR && !members.iter().any(|m| m.node_id == *id)
         });
         let hears_itself = members.iter().any(|m| m.node_id == f.node_id);
-        let withdrawn = members.iter().any(|m| m.withdrawn && m.node_id != f.node_id);
-        if (watched.is_empty() && !withdrawn) || !hears_itself || *f.role.borrow() != Role::Active
-        {
+        let withdrawn = members
+            .iter()
+            .any(|m| m.withdrawn && m.node_id != f.node_id);
+        if (watched.is_empty() && !withdrawn) || !hears_itself || *f.role.borrow() != Role::Active {
             continue;
         }
         let mut nodes: Vec<Uuid> = watched.keys().copied().collect();
@@ -88,7 +93,8 @@ pub(crate) async fn fence_loop(mut f: Fence) {
         match bounded(bound, f.store.fence(&nodes)).await {
             Ok(fenced) if fenced.ended > 0 => {
                 tracing::warn!(
-                    sessions = fenced.ended, ?nodes,
+                    sessions = fenced.ended,
+                    ?nodes,
                     "ended the database sessions of departed or withdrawn nodes that held rows locked"
                 );
                 f.probe.metrics.fenced(fenced.ended);

@@ -28,8 +28,8 @@ pub use delayed::{
     lock_delayed_sql,
 };
 pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
-use settle::Writes;
 pub use fence::{Fenced, session_name};
+use settle::Writes;
 pub use settle::{Deletes, Failure, Fired, Settlement};
 
 #[derive(Debug, thiserror::Error)]

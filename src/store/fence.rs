@@ -48,6 +48,14 @@ impl Store {
         .fetch_all(&self.pool)
         .await?;
         let mut fenced = Fenced::default();
+        if rows.iter().any(|(_, ended)| *ended) {
+            // The freed rows are behind where the active node's scan stands (it passed
+            // them by, locked): a notice without a due time makes it look from the start.
+            sqlx::query("SELECT pg_notify($1, 'fenced')")
+                .bind(self.notify_channel())
+                .execute(&self.pool)
+                .await?;
+        }
         for (name, ended) in rows {
             fenced.ended += usize::from(ended);
             if let Some(id) = nodes.iter().find(|id| session_name(**id) == name)
