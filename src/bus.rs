@@ -126,6 +126,13 @@ impl Bus {
         &self.user
     }
 
+    /// The largest body this bus may publish: `amqp.max_message_size`, or the broker's
+    /// own limit once a refusal taught it (see `proof`).
+    pub fn size_limit(&self) -> usize {
+        let max = usize::try_from(self.settings.max_message_size.as_u64()).unwrap_or(usize::MAX);
+        self.proofs().limit().map_or(max, |l| l.min(max))
+    }
+
     /// Connected and the announcement channel usable.
     pub fn is_healthy(&self) -> bool {
         self.conn.status().connected() && self.announce.status().connected()

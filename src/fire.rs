@@ -29,6 +29,7 @@ use crate::bus::{Budget, Bus, BusError, Fate, PublishError, Published, ToPublish
 use crate::election::Lease;
 use crate::health::{Check, Health};
 use crate::store::{Failure, Fired, Settlement, Store, StoreError, Table, Window, bounded};
+use crate::telemetry::Chain;
 use crate::wire::Message;
 use crate::wire::delayed::Destinations;
 
@@ -208,7 +209,7 @@ impl Scanner {
         let skip = self.skipped();
         let locked = self.db(self.db_bound, async {
             let (mut tx, deletes) = store.begin_scan(K::TABLE).await?;
-            let mut rows = K::lock_due(
+            let rows = K::lock_due(
                 store,
                 &mut tx,
                 self.batch_size,
@@ -217,17 +218,12 @@ impl Scanner {
                 window,
             )
             .await?;
-            let read_at = Instant::now();
-            let deferred = self
-                .fetch_large_payloads::<K>(store, &mut tx, &mut rows)
-                .await?;
-            Ok((tx, deletes, rows, deferred, read_at))
+            Ok((tx, deletes, rows, Instant::now()))
         });
-        let (mut tx, deletes, mut rows, deferred, read_at) = locked.await?;
+        let (mut tx, deletes, mut rows, read_at) = locked.await?;
         let mut outcome = BatchOutcome {
             kind: K::NAME,
-            locked: rows.len() + deferred,
-            untouched: deferred,
+            locked: rows.len(),
             clock: read_clock(&rows, read_at),
             last_due: rows.last().map(Due::due_at),
             window_end: rows.first().map(Due::window_end),
@@ -243,7 +239,19 @@ impl Scanner {
         };
         let budget = self.budget_from(started, stop);
         let judged = self
-            .publish_on_time::<K>(bus, &mut rows, clock, &budget, &lease, &mut outcome)
+            .publish_on_time::<K>(
+                Large {
+                    store,
+                    tx: &mut tx,
+                    held: 0,
+                },
+                bus,
+                &mut rows,
+                clock,
+                &budget,
+                &lease,
+                &mut outcome,
+            )
             .await;
         outcome.bus_trouble = judged.trouble;
         // From here on the batch commits: the broker may have confirmed TimeOuts.
@@ -336,37 +344,33 @@ impl Scanner {
         }
     }
 
-    /// Fetch the payloads `lock_due` left behind (larger than `INLINE_PAYLOAD`), one by
-    /// one, while the batch holds less than `LARGE_PAYLOADS` of them; rows beyond that
-    /// stay locked but unpublished (the next batch takes them first). Returns how many
-    /// rows were left out. Payloads over `amqp.max_message_size` are not fetched at all:
-    /// those rows fail as too large.
-    async fn fetch_large_payloads<K: Kind>(
+    /// Fetch the contents `lock_due` left in the database of `rows` (those of at most
+    /// `max` bytes), while the batch holds less than `LARGE_PAYLOADS` of them (at least
+    /// one). Returns the rows fetched (a row still withheld was too large), and how many
+    /// were left out: they stay locked but unsent (the next batch takes them first).
+    async fn fetch_large<K: Kind>(
         &self,
-        store: &Store,
-        tx: &mut sqlx::PgConnection,
-        rows: &mut Vec<K::Row>,
-    ) -> Result<usize, StoreError> {
-        let mut held = 0;
-        let mut deferred = Vec::new();
-        for (i, row) in rows.iter_mut().enumerate() {
-            let Some(size) = row.withheld() else {
-                continue;
-            };
-            if size > self.max_message_size {
-                continue;
-            }
-            if held > 0 && held + size > LARGE_PAYLOADS {
-                deferred.push(i);
+        large: &mut Large<'_>,
+        rows: Vec<K::Row>,
+        max: usize,
+    ) -> (Vec<K::Row>, usize, Option<StoreError>) {
+        let mut fetched = Vec::with_capacity(rows.len());
+        let mut left = 0;
+        for mut row in rows {
+            let size = row.withheld().unwrap_or(0);
+            if large.held > 0 && large.held.saturating_add(size) >= LARGE_PAYLOADS {
+                left += 1;
                 continue;
             }
-            K::fetch_withheld(store, tx, row).await?;
-            held += size;
+            let fetch = K::fetch_withheld(large.store, large.tx, &mut row, max);
+            match self.db(self.db_bound, fetch).await {
+                Ok(read) => large.held += read,
+                // Leave the rest too: the database is in trouble, and the settle says so.
+                Err(e) => return (fetched, left + 1, Some(e)),
+            }
+            fetched.push(row);
         }
-        for i in deferred.iter().rev() {
-            rows.remove(*i);
-        }
-        Ok(deferred.len())
+        (fetched, left, None)
     }
 
     fn budget_from(&self, started: Instant, stop: &CancellationToken) -> Budget {
@@ -384,8 +388,10 @@ impl Scanner {
     /// already due at once) — and sort them by fate. What one wake-up sends is published
     /// while the next waits for its time. Rows not sent (stop, lease lost, budget spent)
     /// are left untouched.
-    async fn publish_on_time<K: Kind>(
-        &self,
+    #[allow(clippy::too_many_arguments)]
+    async fn publish_on_time<'a, K: Kind>(
+        &'a self,
+        large: Large<'a>,
         bus: &Bus,
         rows: &mut [K::Row],
         clock: DbClock,
@@ -396,11 +402,31 @@ impl Scanner {
         let due: Vec<Instant> = rows.iter().map(|r| clock.local(r.due_at())).collect();
         let mut judged = Judged::default();
         let mut in_flight = FuturesUnordered::new();
+        let mut reader = Reader::new(large);
+        let limit = bus.size_limit().min(self.max_message_size);
         let mut first = 0;
         while let Some(&at) = due.get(first) {
-            let woke = self
-                .until::<K>(at, &mut in_flight, rows, outcome, &mut judged, budget)
-                .await;
+            let woke = match self
+                .until::<K>(
+                    at,
+                    &mut in_flight,
+                    &mut reader,
+                    rows,
+                    outcome,
+                    &mut judged,
+                    budget,
+                )
+                .await
+            {
+                Until::Read(done) => {
+                    let sent = self.read_done::<K>(done, rows, limit, &mut judged);
+                    in_flight.extend(sent.map(|s| Box::pin(s.send(bus, budget))));
+                    self.read_next::<K>(&mut reader, rows, limit);
+                    continue;
+                }
+                Until::Woke => true,
+                Until::Stopped => false,
+            };
             if !woke || !budget.may_send() || lease() != Lease::Held {
                 outcome.lease_lost |= woke && lease() != Lease::Held;
                 judged.untouched += rows.len() - first;
@@ -422,37 +448,120 @@ impl Scanner {
             rows[slot.clone()]
                 .iter_mut()
                 .for_each(|r| r.set_fired_at(sent_at));
-            let (sending, messages) = self.messages::<K>(&rows[slot.clone()], &mut judged);
-            let offset = slot.start;
-            in_flight.push(async move {
-                let published = bus.publish_batch(&messages, budget).await;
-                let alone: Vec<bool> = messages.iter().map(|m| m.alone).collect();
-                (now, offset, sending, alone, published, Instant::now())
-            });
+            let (sending, withheld) = self.messages::<K>(rows, slot, limit, &mut judged);
+            in_flight.push(Box::pin(sending.send(bus, budget)));
+            // Large contents are read only now, after the slot's other rows went out, and
+            // beside the slots that follow: they delay nobody but their own rows.
+            if !withheld.is_empty() {
+                reader.queue.push_back((withheld, now));
+                self.read_next::<K>(&mut reader, rows, limit);
+            }
         }
-        while let Some(done) = in_flight.next().await {
-            self.take_slot::<K>(done, rows, outcome, &mut judged);
+        // Contents still to read are of rows not sent: left as they are.
+        judged.untouched += reader
+            .queue
+            .drain(..)
+            .map(|(idx, _)| idx.len())
+            .sum::<usize>();
+        loop {
+            tokio::select! {
+                Some(done) = in_flight.next(), if !in_flight.is_empty() => {
+                    self.take_slot::<K>(done, rows, outcome, &mut judged);
+                }
+                done = reader.reading(), if reader.is_busy() => {
+                    let sent = self.read_done::<K>(done, rows, limit, &mut judged);
+                    if budget.may_send() && lease() == Lease::Held {
+                        in_flight.extend(sent.map(|s| Box::pin(s.send(bus, budget))));
+                    } else {
+                        judged.untouched += sent.map_or(0, |s| s.positions.len());
+                    }
+                }
+                else => break,
+            }
         }
         judged
     }
 
-    /// Wait until `at`, taking the fates of slots sent earlier as they come in. False
-    /// when stopped first.
-    async fn until<K: Kind>(
+    /// Start reading the next slot's large contents, if the reader is free.
+    fn read_next<'a, K: Kind>(
+        &'a self,
+        reader: &mut Reader<'a, K::Row>,
+        rows: &[K::Row],
+        limit: usize,
+    ) {
+        let Some(large) = reader.idle.take() else {
+            return;
+        };
+        let Some((positions, started)) = reader.queue.pop_front() else {
+            reader.idle = Some(large);
+            return;
+        };
+        let copies = positions.iter().map(|&i| rows[i].clone()).collect();
+        reader.busy = Some(Box::pin(async move {
+            let mut large = large;
+            let (read, left, error) = self.fetch_large::<K>(&mut large, copies, limit).await;
+            let done = ReadDone {
+                read,
+                positions,
+                left,
+                error,
+                started,
+            };
+            (large, done)
+        }));
+    }
+
+    /// Put the rows read back into the batch; what they become, to send.
+    fn read_done<K: Kind>(
+        &self,
+        done: ReadDone<K::Row>,
+        rows: &mut [K::Row],
+        limit: usize,
+        judged: &mut Judged,
+    ) -> Option<Sending> {
+        judged.untouched += done.left;
+        if let Some(e) = &done.error {
+            tracing::warn!(error = %Chain(e), kind = K::NAME, "cannot read large contents: \
+                those rows are left for the next batch");
+        }
+        let mut sending = Sending::new(done.started);
+        for row in done.read {
+            let Some(&i) = done.positions.iter().find(|&&i| rows[i].id() == row.id()) else {
+                continue;
+            };
+            rows[i] = row;
+            let message = match rows[i].withheld() {
+                Some(size) => Err(PublishError::TooLarge { size, max: limit }),
+                None => self.to_publish::<K>(&rows[i]),
+            };
+            match message {
+                Ok(m) => sending.push(i, m),
+                Err(e) => judged.fail(self.failure::<K>(&rows[i], &e)),
+            }
+        }
+        (!sending.positions.is_empty()).then_some(sending)
+    }
+
+    /// Wait until `at`, taking the fates of slots sent earlier as they come in; return
+    /// early when large contents were read.
+    #[allow(clippy::too_many_arguments)]
+    async fn until<'a, K: Kind>(
         &self,
         at: Instant,
         in_flight: &mut FuturesUnordered<impl Future<Output = SlotDone>>,
+        reader: &mut Reader<'a, K::Row>,
         rows: &[K::Row],
         outcome: &mut BatchOutcome,
         judged: &mut Judged,
         budget: &Budget,
-    ) -> bool {
+    ) -> Until<K::Row> {
         let sleep = tokio::time::sleep_until(at.into());
         tokio::pin!(sleep);
         loop {
             tokio::select! {
-                _ = &mut sleep => return true,
-                _ = budget.stop.cancelled() => return false,
+                _ = &mut sleep => return Until::Woke,
+                _ = budget.stop.cancelled() => return Until::Stopped,
+                done = reader.reading(), if reader.is_busy() => return Until::Read(done),
                 Some(done) = in_flight.next(), if !in_flight.is_empty() => {
                     self.take_slot::<K>(done, rows, outcome, judged);
                 }
@@ -463,7 +572,7 @@ impl Scanner {
     /// The fates of one slot's rows, and its publish and confirm steps.
     fn take_slot<K: Kind>(
         &self,
-        (started, offset, sending, alone, published, done): SlotDone,
+        (started, positions, alone, published, done): SlotDone,
         rows: &[K::Row],
         outcome: &mut BatchOutcome,
         judged: &mut Judged,
@@ -477,33 +586,48 @@ impl Scanner {
                 .push((Step::Confirm, done.saturating_duration_since(sent)));
         }
         judged.trouble = judged.trouble.take().or(published.trouble);
-        let sent = sending.iter().zip(alone).zip(published.fates);
+        let sent = positions.iter().zip(alone).zip(published.fates);
         for ((i, alone), fate) in sent {
-            self.judge::<K>(&rows[offset + i], alone, fate, judged);
+            self.judge::<K>(&rows[*i], alone, fate, judged);
         }
     }
 
-    /// Build each row's message; rows that cannot be one are failed here. Returns the
-    /// positions (within `rows`) of the rows to send, and their messages.
+    /// Build the message of each row of `slot`; rows that cannot be one are failed here.
+    /// Returns what to send, and the positions of the rows whose content is still in the
+    /// database (no larger than `limit`, as far as is known: a larger one fails as too
+    /// large without being read).
     fn messages<K: Kind>(
         &self,
         rows: &[K::Row],
+        slot: std::ops::Range<usize>,
+        limit: usize,
         judged: &mut Judged,
-    ) -> (Vec<usize>, Vec<ToPublish>) {
-        let memory = self.memory();
-        let mut sending = Vec::with_capacity(rows.len());
-        let mut messages = Vec::with_capacity(rows.len());
-        for (i, row) in rows.iter().enumerate() {
-            match self.message::<K>(row) {
-                Ok(message) => {
-                    let alone = memory.suspects.contains_key(&row.id());
-                    sending.push(i);
-                    messages.push(ToPublish { message, alone });
+    ) -> (Sending, Vec<usize>) {
+        let mut sending = Sending::new(Instant::now());
+        let mut withheld = Vec::new();
+        for i in slot {
+            let row = &rows[i];
+            let message = match row.withheld() {
+                Some(size) if size > limit => Err(PublishError::TooLarge { size, max: limit }),
+                Some(_) => {
+                    withheld.push(i);
+                    continue;
                 }
+                None => self.to_publish::<K>(row),
+            };
+            match message {
+                Ok(m) => sending.push(i, m),
                 Err(e) => judged.fail(self.failure::<K>(row, &e)),
             }
         }
-        (sending, messages)
+        (sending, withheld)
+    }
+
+    /// A row's message as the bus takes it: alone if its last one's fate was unknown.
+    fn to_publish<K: Kind>(&self, row: &K::Row) -> Result<ToPublish, PublishError> {
+        let message = self.message::<K>(row)?;
+        let alone = self.memory().suspects.contains_key(&row.id());
+        Ok(ToPublish { message, alone })
     }
 
     fn judge<K: Kind>(&self, row: &K::Row, alone: bool, fate: Fate, judged: &mut Judged) {
@@ -591,9 +715,106 @@ impl Scanner {
     }
 }
 
-/// A slot sent: when it started, where its rows start in the batch, which of them were
-/// sent (positions within the slot) and whether alone, their fates, when it ended.
-type SlotDone = (Instant, usize, Vec<usize>, Vec<bool>, Published, Instant);
+/// A slot sent: when it started, its rows' positions in the batch and whether each went
+/// alone, their fates, when it ended.
+type SlotDone = (Instant, Vec<usize>, Vec<bool>, Published, Instant);
+
+/// Messages to publish together, and the positions of their rows in the batch.
+struct Sending {
+    started: Instant,
+    positions: Vec<usize>,
+    messages: Vec<ToPublish>,
+}
+
+impl Sending {
+    fn new(started: Instant) -> Self {
+        Self {
+            started,
+            positions: Vec::new(),
+            messages: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, position: usize, message: ToPublish) {
+        self.positions.push(position);
+        self.messages.push(message);
+    }
+
+    async fn send(self, bus: &Bus, budget: &Budget) -> SlotDone {
+        let published = bus.publish_batch(&self.messages, budget).await;
+        let alone: Vec<bool> = self.messages.iter().map(|m| m.alone).collect();
+        (
+            self.started,
+            self.positions,
+            alone,
+            published,
+            Instant::now(),
+        )
+    }
+}
+
+/// Where a batch reads the large contents it left in the database, and how much of them
+/// it holds so far.
+struct Large<'a> {
+    store: &'a Store,
+    tx: &'a mut sqlx::PgConnection,
+    held: usize,
+}
+
+/// A batch's reads of large contents: one slot's at a time, in order, beside the slots
+/// being sent (the transaction's connection is otherwise idle until the settle).
+struct Reader<'a, R> {
+    /// The connection, when no read is under way.
+    idle: Option<Large<'a>>,
+    busy: Option<Reading<'a, R>>,
+    /// Positions of rows waiting to be read, and when their slot was sent.
+    queue: std::collections::VecDeque<(Vec<usize>, Instant)>,
+}
+
+type Reading<'a, R> = std::pin::Pin<Box<dyn Future<Output = (Large<'a>, ReadDone<R>)> + Send + 'a>>;
+
+/// One slot's large contents read.
+struct ReadDone<R> {
+    read: Vec<R>,
+    positions: Vec<usize>,
+    left: usize,
+    error: Option<StoreError>,
+    started: Instant,
+}
+
+impl<'a, R> Reader<'a, R> {
+    fn new(large: Large<'a>) -> Self {
+        Self {
+            idle: Some(large),
+            busy: None,
+            queue: std::collections::VecDeque::new(),
+        }
+    }
+
+    fn is_busy(&self) -> bool {
+        self.busy.is_some()
+    }
+
+    /// The read under way, to completion; the connection is free again after it.
+    /// Cancel-safe: the read stays under way in `busy` until it is awaited to the end.
+    async fn reading(&mut self) -> ReadDone<R> {
+        let Some(busy) = self.busy.as_mut() else {
+            return std::future::pending().await;
+        };
+        let (large, done) = busy.await;
+        self.busy = None;
+        self.idle = Some(large);
+        done
+    }
+}
+
+/// How waiting for a slot's instant ended.
+enum Until<R> {
+    Woke,
+    Stopped,
+    /// Large contents were read (the instant may not have come yet).
+    Read(ReadDone<R>),
+}
 
 /// The database clock of a lock statement that locked rows: the latest read among them.
 fn read_clock<R: Due>(rows: &[R], at: Instant) -> Option<DbClock> {

@@ -134,6 +134,11 @@ impl Proofs {
         }
     }
 
+    /// The broker's own size limit, once a refusal told it.
+    pub(super) fn limit(&self) -> Option<usize> {
+        self.limit
+    }
+
     /// The broker took this message (confirmed, nacked or returned: each comes after the
     /// checks that close a channel).
     pub(super) fn accepted(&mut self, m: &Shape<'_>, now: Instant) {

@@ -33,12 +33,14 @@ pub trait Kind: Send + Sync {
         window: Window,
     ) -> impl Future<Output = Result<Vec<Self::Row>, StoreError>> + Send;
 
-    /// Read what `lock_due` left in the database into `row`.
+    /// Read what `lock_due` left in the database into `row`, if it is at most `max`
+    /// bytes (else [`Due::withheld`] then says how large it is). Returns the bytes read.
     fn fetch_withheld(
         store: &Store,
         tx: &mut PgConnection,
         row: &mut Self::Row,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+        max: usize,
+    ) -> impl Future<Output = Result<usize, StoreError>> + Send;
 
     /// The message the row becomes, sent by `node`; a delayed message only where
     /// `destinations` allow.
@@ -50,7 +52,7 @@ pub trait Kind: Send + Sync {
 }
 
 /// What the transaction reads from any due row.
-pub trait Due: Send + Sync {
+pub trait Due: Clone + Send + Sync + 'static {
     fn id(&self) -> Uuid;
     /// The deadline it fired for (a row moved since then is not deleted for it).
     fn deadline(&self) -> DateTime<Utc>;
@@ -64,7 +66,8 @@ pub trait Due: Send + Sync {
     /// The end of the window of due times the lock statement covered.
     fn window_end(&self) -> DateTime<Utc>;
     fn attempts(&self) -> i32;
-    /// Size of the content left in the database because it was large, if it was.
+    /// Size of the content left in the database, if it was left there (0: not known
+    /// until read).
     fn withheld(&self) -> Option<usize>;
     /// Exchange and routing key, for logs.
     fn destination(&self) -> (&str, &str);
@@ -94,9 +97,9 @@ impl Kind for Expectations {
         store: &Store,
         tx: &mut PgConnection,
         row: &mut DueRow,
-    ) -> Result<(), StoreError> {
-        row.payload = store.payload(tx, row.id).await?;
-        Ok(())
+        max: usize,
+    ) -> Result<usize, StoreError> {
+        store.payload(tx, row, max).await
     }
 
     fn message(row: &DueRow, node: Uuid, _: &Destinations) -> Result<Message, PublishError> {
@@ -168,9 +171,14 @@ impl Kind for Delayed {
         store: &Store,
         tx: &mut PgConnection,
         row: &mut DelayedRow,
-    ) -> Result<(), StoreError> {
+        max: usize,
+    ) -> Result<usize, StoreError> {
+        // Its size is exact (`octet_length` of the bytea): a larger one is never read.
+        if row.body_withheld().is_some_and(|size| size > max) {
+            return Ok(0);
+        }
         row.body = store.delayed_body(tx, row.id).await?;
-        Ok(())
+        Ok(row.body.as_ref().map_or(0, Vec::len))
     }
 
     /// Judged again here, not only at ingest: rows stored by an earlier version, under

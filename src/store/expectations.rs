@@ -22,8 +22,8 @@ pub struct DueRow {
     pub routing_key: String,
     /// The payload as Postgres prints it (always valid JSON), embedded in the TimeOut as
     /// is: jsonb holds numbers and nesting depths that a JSON library may refuse, and
-    /// such a row must still fire. `None` for SQL NULL, and for a payload larger than the
-    /// limit the scan asked for (then `payload_bytes` says how large).
+    /// such a row must still fire. `None` for SQL NULL, and for a payload the scan left in
+    /// the database (then `payload_bytes` is set: 0 until it was read, then its size).
     pub payload: Option<String>,
     pub payload_bytes: Option<i32>,
     pub attempts: i32,
@@ -37,7 +37,8 @@ pub struct DueRow {
 }
 
 impl DueRow {
-    /// The payload was left in the database because it is larger than the limit.
+    /// The payload was left in the database (large, or compressed): its size once known,
+    /// 0 before.
     pub fn payload_withheld(&self) -> Option<usize> {
         match (&self.payload, self.payload_bytes) {
             (None, Some(n)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
@@ -72,20 +73,25 @@ pub enum PendingFilter {
 /// The statement that finds and locks due rows, for `table` (binds: see `lock_rows`).
 /// The benchmark runs it too.
 pub fn lock_due_sql(table: &str) -> String {
-    // The payload is rendered once per row (OFFSET 0 keeps the subquery from being
-    // inlined into each use) and left behind when it is large (see `Store::payload`), so
-    // that a batch of large payloads cannot take batch_size × max_message_size of memory.
+    // Printing a large jsonb payload costs as much as sending it: only payloads stored
+    // uncompressed and small enough that their text cannot exceed `$2` (printed, a jsonb
+    // value is at most six times its stored size: a control character becomes
+    // \u0000) come with the rows; the others are left behind (`payload_bytes` 0: size
+    // unknown until read, see `Store::payload`), so that a batch of large payloads
+    // neither takes batch_size × max_message_size of memory nor holds up the lock.
     let (deadline, window, due_at, due) = (
         EXPECTATIONS.deadline(),
         EXPECTATIONS.window(),
         EXPECTATIONS.due_at(),
         EXPECTATIONS.due_columns(),
     );
+    let inline =
+        "pg_column_compression(m.payload) IS NULL AND pg_column_size(m.payload)::int8 * 6 <= $2";
     format!(
         "SELECT m.id, m.process_id, m.message_type, {deadline} AS timeout_at, m.exchange, \
-         m.routing_key, CASE WHEN octet_length(p.text) <= $2 THEN p.text END AS payload, \
-         octet_length(p.text) AS payload_bytes, m.attempts, {due} \
-         FROM {table} AS m, LATERAL (SELECT m.payload::text OFFSET 0) AS p(text) \
+         m.routing_key, CASE WHEN {inline} THEN m.payload::text END AS payload, \
+         CASE WHEN NOT ({inline}) THEN 0 END AS payload_bytes, m.attempts, {due} \
+         FROM {table} AS m \
          WHERE {window} AND m.id <> ALL($3) ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
     )
 }
@@ -113,7 +119,11 @@ impl Statements {
         );
         Self {
             lock_due: lock_due_sql(&t).into(),
-            payload: format!("SELECT payload::text FROM {t} WHERE id = $1").into(),
+            payload: format!(
+                "SELECT CASE WHEN octet_length(p) <= $2 THEN p END, octet_length(p) \
+                 FROM (SELECT payload::text FROM {t} WHERE id = $1 OFFSET 0) AS s(p)"
+            )
+            .into(),
             list_all: format!("SELECT {cols} FROM {t} AS m ORDER BY m.timeout_at LIMIT $1").into(),
             list_failing: format!(
                 "SELECT {cols} FROM {t} AS m WHERE m.attempts > 0 ORDER BY m.timeout_at LIMIT $1"
@@ -146,17 +156,25 @@ impl Store {
         .await
     }
 
-    /// The payload of one (locked) row as text, for payloads `lock_due` left behind.
+    /// Read into `row` the payload `lock_due` left behind, if its text is at most `max`
+    /// bytes; either way `payload_bytes` then says how large it is. Returns the bytes read.
     pub async fn payload(
         &self,
         tx: &mut PgConnection,
-        id: Uuid,
-    ) -> Result<Option<String>, StoreError> {
-        let text = sqlx::query_scalar(safe(&self.sql.expectations.payload))
-            .bind(id)
-            .fetch_optional(tx)
-            .await?;
-        Ok(text.flatten())
+        row: &mut DueRow,
+        max: usize,
+    ) -> Result<usize, StoreError> {
+        let max = i32::try_from(max).unwrap_or(i32::MAX);
+        let read: Option<(Option<String>, Option<i32>)> =
+            sqlx::query_as(safe(&self.sql.expectations.payload))
+                .bind(row.id)
+                .bind(max)
+                .fetch_optional(tx)
+                .await?;
+        let (text, bytes) = read.unwrap_or_default();
+        row.payload_bytes = bytes;
+        row.payload = text;
+        Ok(row.payload.as_ref().map_or(0, String::len))
     }
 
     /// Counts for operators; `overdue` means due for longer than `late`.
