@@ -30,7 +30,7 @@ use uuid::Uuid;
 
 use crate::config::Settings;
 use crate::election::Role;
-use crate::status::Probe;
+use crate::status::{MemberStatus, Probe};
 use crate::store::{Store, bounded};
 use crate::telemetry::{Chain, LogLimiter};
 
@@ -73,33 +73,25 @@ pub(crate) async fn fence_loop(mut f: Fence) {
         }
         let now = Instant::now();
         let members = f.probe.snapshot().members;
-        watched.retain(|id, since| {
-            now.duration_since(*since) < WATCH_FOR && !members.iter().any(|m| m.node_id == *id)
-        });
-        let hears_itself = members.iter().any(|m| m.node_id == f.node_id);
-        let withdrawn = members
-            .iter()
-            .any(|m| m.withdrawn && m.node_id != f.node_id);
-        if (watched.is_empty() && !withdrawn) || !hears_itself || *f.role.borrow() != Role::Active {
+        let role = *f.role.borrow();
+        let nodes = targets(&mut watched, &members, f.node_id, role, now);
+        if nodes.is_empty() {
             continue;
         }
-        let mut nodes: Vec<Uuid> = watched.keys().copied().collect();
-        nodes.extend(
-            members
-                .iter()
-                .filter(|m| m.withdrawn && m.node_id != f.node_id)
-                .map(|m| m.node_id),
-        );
-        match bounded(bound, f.store.fence(&nodes)).await {
-            Ok(fenced) if fenced.ended > 0 => {
+        let fencing = tokio::select! {
+            _ = f.stop.cancelled() => return,
+            r = bounded(bound, f.store.fence(&nodes)) => r,
+        };
+        match fencing {
+            Ok(0) => {}
+            Ok(ended) => {
                 tracing::warn!(
-                    sessions = fenced.ended,
+                    sessions = ended,
                     ?nodes,
                     "ended the database sessions of departed or withdrawn nodes that held rows locked"
                 );
-                f.probe.metrics.fenced(fenced.ended);
+                f.probe.metrics.fenced(ended);
             }
-            Ok(_) => {}
             Err(e) => {
                 if let Some(held_back) = warn.allow(now) {
                     tracing::warn!(
@@ -111,5 +103,89 @@ pub(crate) async fn fence_loop(mut f: Fence) {
                 }
             }
         }
+    }
+}
+
+/// Whose sessions to end now: the departed nodes watched (dropping those heard again or
+/// watched long enough) and the members announcing themselves withdrawn — none unless
+/// this node is active and hears itself.
+fn targets(
+    watched: &mut HashMap<Uuid, Instant>,
+    members: &[MemberStatus],
+    me: Uuid,
+    role: Role,
+    now: Instant,
+) -> Vec<Uuid> {
+    watched.retain(|id, since| {
+        now.duration_since(*since) < WATCH_FOR && !members.iter().any(|m| m.node_id == *id)
+    });
+    let hears_itself = members.iter().any(|m| m.node_id == me);
+    if role != Role::Active || !hears_itself {
+        return Vec::new();
+    }
+    let mut nodes: Vec<Uuid> = watched.keys().copied().collect();
+    nodes.extend(
+        members
+            .iter()
+            .filter(|m| m.withdrawn && m.node_id != me)
+            .map(|m| m.node_id),
+    );
+    nodes.sort();
+    nodes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(n: u8, withdrawn: bool) -> MemberStatus {
+        MemberStatus {
+            node_id: Uuid::from_bytes([n; 16]),
+            last_seen_ms: 0,
+            active: false,
+            probing: false,
+            withdrawn,
+        }
+    }
+
+    fn id(n: u8) -> Uuid {
+        Uuid::from_bytes([n; 16])
+    }
+
+    #[test]
+    fn the_active_node_that_hears_itself_fences_departed_and_withdrawn_members() {
+        let now = Instant::now();
+        let mut watched = HashMap::from([(id(2), now)]);
+        let members = [member(1, false), member(3, true), member(4, false)];
+        assert_eq!(
+            targets(&mut watched, &members, id(1), Role::Active, now),
+            vec![id(2), id(3)]
+        );
+    }
+
+    #[test]
+    fn nobody_is_fenced_by_a_passive_node_or_one_that_does_not_hear_itself() {
+        let now = Instant::now();
+        let mut watched = HashMap::from([(id(2), now)]);
+        let members = [member(1, false), member(3, true)];
+        assert!(targets(&mut watched, &members, id(1), Role::Passive, now).is_empty());
+        // Cut off from the broker: it hears nobody, itself included.
+        assert!(targets(&mut watched, &[], id(1), Role::Active, now).is_empty());
+        // Still watched for when it hears again.
+        assert!(watched.contains_key(&id(2)));
+    }
+
+    #[test]
+    fn a_departed_node_heard_again_or_watched_long_enough_is_let_be() {
+        let now = Instant::now();
+        let mut watched = HashMap::from([(id(2), now), (id(3), now)]);
+        let members = [member(1, false), member(2, false)];
+        assert_eq!(
+            targets(&mut watched, &members, id(1), Role::Active, now),
+            vec![id(3)]
+        );
+        let later = now + WATCH_FOR;
+        assert!(targets(&mut watched, &members, id(1), Role::Active, later).is_empty());
+        assert!(watched.is_empty());
     }
 }

@@ -28,7 +28,7 @@ pub use delayed::{
     lock_delayed_sql,
 };
 pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
-pub use fence::{Fenced, session_name};
+pub use fence::session_name;
 use settle::Writes;
 pub use settle::{Deletes, Failure, Fired, Settlement};
 

@@ -1406,3 +1406,41 @@ mod rule_props {
         }
     }
 }
+
+fn departed(outputs: &[Output]) -> Vec<Uuid> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::Departed { id } => Some(*id),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A member that goes silent is reported departed once, when it expires; one that says
+/// `leaving` is not (it finished its batch), and neither is the node itself.
+#[test]
+fn only_members_that_went_silent_are_reported_departed() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(5), t0);
+    let t1 = t0 + Duration::from_secs(1);
+    e.step(t1, heard(id(1)));
+    e.step(t1, heard(id(2)));
+    e.step(
+        t1 + MS,
+        Heard {
+            leaving: true,
+            ..heard(id(2))
+        },
+    );
+    drain(&mut e);
+    // Our own echo keeps coming; id(1) falls silent.
+    let mut seen = Vec::new();
+    for s in 2..=6 {
+        let now = t0 + Duration::from_secs(s);
+        e.step(now, heard(id(5)));
+        e.tick(now);
+        seen.extend(departed(&drain(&mut e)));
+    }
+    assert_eq!(seen, vec![id(1)]);
+}

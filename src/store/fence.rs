@@ -11,30 +11,20 @@ pub fn session_name(node_id: Uuid) -> String {
     format!("timeoutd-{node_id}")
 }
 
-/// What one fencing round did.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Fenced {
-    /// Sessions ended (they held rows of our tables locked).
-    pub ended: usize,
-    /// Nodes that still have sessions here (locking or not).
-    pub present: Vec<Uuid>,
-}
-
 impl Store {
     /// End the sessions of `nodes` that hold rows of this schema's tables locked for
-    /// firing (`FOR UPDATE` takes `RowShareLock` on the table; inserts and reads do not),
-    /// and say which of them still have sessions at all. Needs the right to signal
-    /// their backends: the same database role, or `pg_signal_backend`.
-    pub async fn fence(&self, nodes: &[Uuid]) -> Result<Fenced, StoreError> {
+    /// firing (`FOR UPDATE` takes `RowShareLock` on the table; inserts and reads do not).
+    /// Returns how many it ended. Needs the right to signal their backends: the same
+    /// database role, or `pg_signal_backend`.
+    pub async fn fence(&self, nodes: &[Uuid]) -> Result<usize, StoreError> {
         let names: Vec<String> = nodes.iter().copied().map(session_name).collect();
         let tables: Vec<String> = TABLES
             .iter()
             .map(|t| format!("{}.{}", self.schema, t.name))
             .collect();
-        let rows: Vec<(String, bool)> = sqlx::query_as(
+        let ended: Vec<bool> = sqlx::query_scalar(
             // CASE: only a session that holds rows is ended (AND would not promise the order).
-            "SELECT a.application_name, \
-                    CASE WHEN EXISTS (SELECT 1 FROM pg_locks l \
+            "SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_locks l \
                         WHERE l.pid = a.pid AND l.locktype = 'relation' \
                           AND l.mode = 'RowShareLock' AND l.granted \
                           AND l.relation = ANY (SELECT to_regclass(t) FROM unnest($2::text[]) t)) \
@@ -47,8 +37,8 @@ impl Store {
         .bind(&tables)
         .fetch_all(&self.pool)
         .await?;
-        let mut fenced = Fenced::default();
-        if rows.iter().any(|(_, ended)| *ended) {
+        let ended = ended.into_iter().filter(|e| *e).count();
+        if ended > 0 {
             // The freed rows are behind where the active node's scan stands (it passed
             // them by, locked): a notice without a due time makes it look from the start.
             sqlx::query("SELECT pg_notify($1, 'fenced')")
@@ -56,14 +46,6 @@ impl Store {
                 .execute(&self.pool)
                 .await?;
         }
-        for (name, ended) in rows {
-            fenced.ended += usize::from(ended);
-            if let Some(id) = nodes.iter().find(|id| session_name(**id) == name)
-                && !fenced.present.contains(id)
-            {
-                fenced.present.push(*id);
-            }
-        }
-        Ok(fenced)
+        Ok(ended)
     }
 }
