@@ -17,7 +17,10 @@ use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
-use crate::common::{Inbox, World, rabbitmqctl, wait_for_async};
+use lapin::BasicProperties;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+
+use crate::common::{Inbox, World, amqp, rabbitmqctl, wait_for_async};
 
 /// The broker's limit during the test: above any message the rest of the suite publishes
 /// (the suite shares the broker), so only this test's oversized rows meet it.
@@ -60,6 +63,9 @@ async fn eval(expr: &str) -> String {
 }
 
 impl BrokerLimit {
+    /// Set it, and check on a new connection that the broker takes it: RabbitMQ 3.x
+    /// does at runtime, 4.x reads it when it boots (`.ci/compose.ci.yml` starts the
+    /// suite's 4.x broker with it).
     async fn set(bytes: usize) -> Self {
         let old = eval("application:get_env(rabbit, max_message_size).").await;
         // `{ok,134217728}`, or `undefined` for the broker's default.
@@ -71,8 +77,40 @@ impl BrokerLimit {
             "application:set_env(rabbit, max_message_size, {bytes})."
         ))
         .await;
-        Self { old }
+        let limit = Self { old };
+        assert!(
+            refuses(bytes + 1024).await,
+            "the broker took a message over max_message_size = {bytes} (RabbitMQ 4.x reads \
+             it only when it boots: start it with RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=\
+             \"-rabbit max_message_size {bytes}\")"
+        );
+        limit
     }
+}
+
+/// Whether the broker refuses a message of `bytes` (closing the channel).
+async fn refuses(bytes: usize) -> bool {
+    let conn = amqp().await;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    let body = vec![b'x'; bytes];
+    let published = ch
+        .basic_publish(
+            "".into(),
+            "timeoutd-large-rows-probe".into(),
+            BasicPublishOptions::default(),
+            &body,
+            BasicProperties::default(),
+        )
+        .await;
+    let refused = match published {
+        Ok(confirm) => confirm.await.is_err(),
+        Err(_) => true,
+    };
+    let _ = conn.close(200, "OK".into()).await;
+    refused
 }
 
 impl Drop for BrokerLimit {
