@@ -501,8 +501,14 @@ async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, notices: Arc<Noti
             notices.lost.store(true, Ordering::Relaxed);
         }
     };
+    // The stop closes the pool before it tells the tasks (see `daemon`), and a listener
+    // ends with the pool: that is the stop, not a lost connection.
+    let stopping = || shared.store.pool().is_closed();
     loop {
         let listening = shared.store.listener().await;
+        if listening.is_err() && stopping() {
+            return;
+        }
         shared.health.record(Check::Listen, &listening);
         match listening {
             Ok(mut listener) => {
@@ -511,7 +517,9 @@ async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, notices: Arc<Noti
                 send(Notice::ANY);
                 let lost = forward(&shared, &mut listener, &send).await;
                 notices.listening.store(false, Ordering::Relaxed);
-                let Some(e) = lost else { return };
+                let Some(e) = lost.filter(|_| !stopping()) else {
+                    return;
+                };
                 tracing::warn!(error = %e, "LISTEN connection lost; probing every tick meanwhile");
                 shared.health.fail(Check::Listen, Instant::now());
             }
