@@ -160,11 +160,20 @@ async fn while_active(peer: Peer, fault: Fault) {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let name = format!("{fault:?}-{peer:?}-active");
     stops_in_time(&name, &mut node, ABANDONED).await;
-    let expected = match peer {
-        Peer::Broker => "closing the RabbitMQ connection",
-        Peer::Database => "scan batch(es) in flight",
+    // A database holds the batches' commits. A broker holds their confirms, or, with
+    // none in flight, the connection's close; lapin may also end the connection itself
+    // when a late confirm arrives for a channel the given-up batch left closing.
+    let expected: &[&str] = match peer {
+        Peer::Broker => &[
+            "scan batch(es) in flight",
+            "closing the RabbitMQ connection",
+        ],
+        Peer::Database => &["scan batch(es) in flight"],
     };
-    assert!(node.logged(expected), "{name}: gave up {expected:?}");
+    assert!(
+        expected.iter().any(|what| node.logged(what)),
+        "{name}: gave up one of {expected:?}"
+    );
     drop(node);
     drop(proxy);
     world.cleanup().await;
@@ -249,6 +258,13 @@ async fn sigterm_of_the_active_node_with_healthy_peers_leaves_and_exits_0() {
     .await;
     let since = Instant::now();
     stops_in_time("healthy-active", &mut node, 0).await;
+    let log = node.log.lock().expect("lock").clone();
+    let after: Vec<&String> = log
+        .iter()
+        .skip_while(|l| !l.contains("SIGTERM: stopping"))
+        .filter(|l| l.contains("\"level\":\"WARN\"") || l.contains("\"level\":\"ERROR\""))
+        .collect();
+    assert!(after.is_empty(), "a quiet stop: {after:#?}");
     wait_for(Duration::from_secs(5), "the leaving announcement", || {
         observer
             .first_after(since, |a| a.leaving && a.node_id == id)
