@@ -202,10 +202,11 @@ impl Bus {
         lock(&self.proofs)
     }
 
-    /// Close the connection politely (bounded).
-    pub async fn close(&self) {
+    /// Close the connection politely (bounded): an error when the broker did not answer
+    /// in time, or the connection was gone already.
+    pub async fn close(&self) -> Result<(), BusError> {
         let close = self.conn.close(200, "shutting down".into());
-        let _ = timeout(self.settings.connect_timeout, close).await;
+        bounded("close", self.settings.connect_timeout, close).await
     }
 }
 

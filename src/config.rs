@@ -230,6 +230,13 @@ pub struct Log {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Shutdown {
+    /// How long a stop waits for what peers must answer: the batches in flight (confirms,
+    /// commit), the `leaving` announcement, the delay ingress' acknowledgements. What is
+    /// not done by then is given up (exit code 5).
+    #[serde(with = "humantime_serde")]
+    pub grace: Duration,
+    /// Bound on the whole stop, from the request to the exit: connections are closed
+    /// within half of what it leaves after `grace`; past it the process exits whatever.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
 }
@@ -504,6 +511,7 @@ impl Settings {
                 self.postgres.statement_timeout,
             ),
             ("scan.retry_min", self.scan.retry_min),
+            ("shutdown.grace", self.shutdown.grace),
             ("shutdown.timeout", self.shutdown.timeout),
         ] {
             if d.is_zero() {
@@ -545,6 +553,7 @@ impl Settings {
             }
         }
         self.validate_batch_bounds()?;
+        self.validate_shutdown()?;
         let timing = self.timing();
         if timing.max_lag.is_zero() || timing.max_lag >= timing.member_ttl {
             return Err(ConfigError::invalid(
@@ -561,22 +570,37 @@ impl Settings {
         Ok(())
     }
 
+    /// A stop waits at most `grace` for peers, and closes the connections in part of what
+    /// `timeout` leaves after it: the rest must leave room for both.
+    fn validate_shutdown(&self) -> Result<(), ConfigError> {
+        let s = &self.shutdown;
+        if s.timeout > MAX_SHUTDOWN_TIMEOUT {
+            return Err(ConfigError::invalid(
+                "shutdown.timeout",
+                "must be at most 10m",
+            ));
+        }
+        if s.grace >= s.timeout {
+            return Err(ConfigError::invalid(
+                "shutdown.grace",
+                format!(
+                    "must be less than shutdown.timeout ({:?} vs {:?}): what is left of it \
+                     closes the connections and lets the process exit",
+                    s.grace, s.timeout
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// A batch's transaction idles while its TimeOuts are published and confirmed, and
     /// the server ends an idle transaction after `statement_timeout`: the batch budget
-    /// (`batch_budget`) must leave room for one full confirm wait. A graceful stop waits
-    /// for the confirms of the batch in flight.
+    /// (`batch_budget`) must leave room for one full confirm wait.
     fn validate_batch_bounds(&self) -> Result<(), ConfigError> {
         if self.amqp.confirm_timeout * 2 > self.postgres.statement_timeout {
             return Err(ConfigError::invalid(
                 "postgres.statement_timeout",
                 "must be at least twice amqp.confirm_timeout",
-            ));
-        }
-        if self.shutdown.timeout <= self.batch_budget() {
-            return Err(ConfigError::invalid(
-                "shutdown.timeout",
-                "must be greater than 3/4 of postgres.statement_timeout (the longest a \
-                 batch in flight may take to finish)",
             ));
         }
         // Held rows are sent within the horizon; half of what the batch may spend on
@@ -689,6 +713,8 @@ const MAX_CANCEL_TTL: Duration = Duration::from_secs(366 * 24 * 3600);
 const MAX_INGEST_CONCURRENCY: u8 = 16;
 /// A batch that lingers longer only adds to every message's ingest lag.
 const MAX_INGEST_LINGER: Duration = Duration::from_secs(1);
+/// A stop longer than this is an orchestrator's business (its own grace period), not ours.
+const MAX_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(600);
 /// Beyond this a notification lost to a silently dead LISTEN connection waits too long.
 const MAX_PROBE_INTERVAL: Duration = Duration::from_secs(60);
 

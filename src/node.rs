@@ -19,7 +19,7 @@ use crate::config::Settings;
 use crate::election::{Election, LeaseView, Output, Role};
 use crate::health::{Check, Health};
 use crate::metrics::Metrics;
-use crate::shutdown::{Exit, sleep_or_stop};
+use crate::shutdown::{Exit, Stopping, sleep_or_stop};
 use crate::status::{MemberStatus, Probe};
 use crate::telemetry::Chain;
 use crate::telemetry::LogLimiter;
@@ -37,6 +37,8 @@ pub(crate) struct Node {
     /// Members that departed without leaving, for the fence task.
     pub(crate) departed: mpsc::Sender<Uuid>,
     pub(crate) stop: CancellationToken,
+    /// How long the `leaving` announcement may take once stopping.
+    pub(crate) stopping: Arc<Stopping>,
 }
 
 /// At most one log line per rejection kind per this period.
@@ -129,7 +131,8 @@ impl NodeLoop {
                     self.ctx.bus.send_replace(None);
                     self.election.bus_lost(Instant::now());
                     self.apply_outputs(None).await;
-                    bus.close().await;
+                    // A courtesy to a connection already lost: nothing a stop waits for.
+                    let _ = self.unless_stopped(bus.close()).await;
                 }
             }
         }
@@ -143,7 +146,14 @@ impl NodeLoop {
             if self.ctx.stop.is_cancelled() {
                 return None;
             }
-            match Bus::connect(&settings.amqp, &settings.election.group, &name).await {
+            // A broker that is slow or silent must not hold up a stop: the attempt is
+            // dropped, and with it the half-open connection.
+            let connecting = Bus::connect(&settings.amqp, &settings.election.group, &name);
+            let connected = tokio::select! {
+                _ = self.ctx.stop.cancelled() => return None,
+                connected = connecting => connected,
+            };
+            match connected {
                 Ok((bus, announcements)) => {
                     backoff.reset();
                     return Some((Arc::new(bus), announcements));
@@ -289,14 +299,22 @@ impl NodeLoop {
                 }
                 self.sent.push_back(msg.sent_at);
                 let sealed = self.admission.policy().seal(&msg);
-                if let Err(e) = bus
-                    .announce(&sealed, self.ctx.settings.election.member_ttl)
-                    .await
-                {
-                    tracing::error!(error = %Chain(&e), "cannot announce");
-                    return false;
+                // Already stopping: this is the `leaving` announcement of the stop.
+                let leaving = self.ctx.stop.is_cancelled();
+                let ttl = self.ctx.settings.election.member_ttl;
+                match self.unless_stopped(bus.announce(&sealed, ttl)).await {
+                    Some(Ok(())) => self.metrics().announced(),
+                    Some(Err(e)) => {
+                        tracing::error!(error = %Chain(&e), "cannot announce");
+                        return false;
+                    }
+                    None if leaving => self.ctx.stopping.abandon(
+                        "announcing `leaving` (the broker did not take it in time): the \
+                         group takes over after election.member_ttl, not within a tick",
+                    ),
+                    // Interrupted by the stop, whose `leaving` goes next.
+                    None => {}
                 }
-                self.metrics().announced();
             }
             Output::RoleChanged {
                 role,
@@ -348,6 +366,19 @@ impl NodeLoop {
     async fn leave(&mut self, bus: &Bus) {
         self.election.leave(Instant::now());
         self.apply_outputs(Some(bus)).await;
+    }
+
+    /// `step` until the stop; once stopping, until the stop's grace is spent (the stop's
+    /// own `leaving` is sent then). `None`: given up.
+    async fn unless_stopped<T>(&self, step: impl Future<Output = T>) -> Option<T> {
+        if self.ctx.stop.is_cancelled() {
+            let until = self.ctx.stopping.grace_until();
+            return tokio::time::timeout_at(until.into(), step).await.ok();
+        }
+        tokio::select! {
+            _ = self.ctx.stop.cancelled() => None,
+            done = step => Some(done),
+        }
     }
 }
 

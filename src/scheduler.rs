@@ -22,7 +22,7 @@ use crate::config::Settings;
 use crate::election::{Lease, LeaseView, Role};
 use crate::fire::{BatchOutcome, Delayed, Expectations, ScanError, Scanner};
 use crate::health::{Check, Health};
-use crate::shutdown::sleep_or_stop;
+use crate::shutdown::{Stopping, sleep_or_stop};
 use crate::status::{Probe, ScanStatus};
 use crate::store::{DELAYED, EXPECTATIONS, Store, Table, Window};
 use crate::telemetry::Chain;
@@ -50,6 +50,8 @@ pub(crate) struct Firing {
     pub(crate) probe: Arc<Probe>,
     pub(crate) health: Arc<Health>,
     pub(crate) stop: CancellationToken,
+    /// How long the batches in flight may take to finish once stopping.
+    pub(crate) stopping: Arc<Stopping>,
 }
 
 impl Firing {
@@ -129,7 +131,11 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
             }
             None => {
                 if !active && checked.elapsed() >= settings.election.announce_interval {
-                    check_while_passive(&shared, &scanner).await;
+                    // A check waiting on a slow database is no reason to delay a stop.
+                    tokio::select! {
+                        _ = shared.stop.cancelled() => {},
+                        _ = check_while_passive(&shared, &scanner) => {},
+                    }
                     checked = Instant::now();
                 }
                 // Due times announced while passive are stale once active: it probes.
@@ -200,8 +206,17 @@ async fn fire_while_active(
             pacer.notified(None, None, Instant::now());
         }
         if batches.tasks.is_empty() {
-            settle_leftovers(scanner, &shared.store).await;
-            recheck_publish(shared).await;
+            let chores = async {
+                settle_leftovers(scanner, &shared.store).await;
+                recheck_publish(shared).await;
+            };
+            // Leftovers not settled now are fired again by the next active node, as
+            // they would be if this node had died: a stop does not wait on the database
+            // for them.
+            tokio::select! {
+                _ = shared.stop.cancelled() => break,
+                _ = chores => {},
+            }
         }
         for (kind, lane) in pacer.starts(Instant::now()) {
             let window = pacer.window(kind, lane);
@@ -236,16 +251,51 @@ async fn fire_while_active(
             _ = tokio::time::sleep_until(wake.into()) => {}
         }
     }
-    while let Some(joined) = batches.tasks.join_next_with_id().await {
-        finished(
-            shared,
-            &mut pacer,
-            &mut backoff,
-            summary,
-            &mut batches,
-            joined,
-        );
+    // The batches have until the stop's grace, should a stop come (now or while they
+    // finish): each commits, or rolls back when it is dropped (its transaction with it).
+    let all_ended = {
+        let joined = async {
+            while let Some(joined) = batches.tasks.join_next_with_id().await {
+                finished(
+                    shared,
+                    &mut pacer,
+                    &mut backoff,
+                    summary,
+                    &mut batches,
+                    joined,
+                );
+            }
+        };
+        let grace_spent = async {
+            shared.stop.cancelled().await;
+            tokio::time::sleep_until(shared.stopping.grace_until().into()).await;
+        };
+        tokio::select! {
+            _ = joined => true,
+            _ = grace_spent => false,
+        }
+    };
+    if !all_ended {
+        abandon_batches(shared, &mut batches);
     }
+}
+
+/// Give up the batches still in flight when the stop's grace is spent. Whatever they
+/// published without committing is published again by the next active node, with the
+/// same `message_id` (the contract's "cannot know whether it was delivered").
+fn abandon_batches(shared: &Firing, batches: &mut Batches) {
+    batches.tasks.abort_all();
+    let kinds: Vec<&str> = batches
+        .started
+        .iter()
+        .map(|(_, (kind, ..))| kind.table().kind())
+        .collect();
+    shared.stopping.abandon(format!(
+        "{} scan batch(es) in flight ({}): not known to be committed; rows they published \
+         may be published again",
+        kinds.len(),
+        kinds.join(", ")
+    ));
 }
 
 /// Whether the shared connection is still `bus` (marks the news seen).
@@ -451,8 +501,14 @@ async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, notices: Arc<Noti
             notices.lost.store(true, Ordering::Relaxed);
         }
     };
+    // The stop closes the pool before it tells the tasks (see `daemon`), and a listener
+    // ends with the pool: that is the stop, not a lost connection.
+    let stopping = || shared.store.pool().is_closed();
     loop {
         let listening = shared.store.listener().await;
+        if listening.is_err() && stopping() {
+            return;
+        }
         shared.health.record(Check::Listen, &listening);
         match listening {
             Ok(mut listener) => {
@@ -461,7 +517,9 @@ async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, notices: Arc<Noti
                 send(Notice::ANY);
                 let lost = forward(&shared, &mut listener, &send).await;
                 notices.listening.store(false, Ordering::Relaxed);
-                let Some(e) = lost else { return };
+                let Some(e) = lost.filter(|_| !stopping()) else {
+                    return;
+                };
                 tracing::warn!(error = %e, "LISTEN connection lost; probing every tick meanwhile");
                 shared.health.fail(Check::Listen, Instant::now());
             }

@@ -21,6 +21,9 @@ pub const EXIT_LAGGING: u8 = 3;
 /// Exit code of `cancel` when no such delayed message is pending (already delivered,
 /// cancelled before, or never stored).
 pub const EXIT_NOT_PENDING: u8 = 4;
+/// Exit code of `run` when the stop gave up on something it waits for (a batch in flight,
+/// the `leaving` announcement, closing a connection) because a peer did not answer in time.
+pub const EXIT_ABANDONED: u8 = 5;
 
 pub async fn dispatch(cli: Cli) -> ExitCode {
     let settings = match Settings::load(cli.config.as_deref()) {

@@ -3,13 +3,14 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use serde::Serialize;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::EXIT_LAGGING;
+use super::{EXIT_ABANDONED, EXIT_LAGGING};
 use crate::config::Settings;
 use crate::daemon::{self, Exit};
 
@@ -30,11 +31,12 @@ struct Ready<'a> {
 pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
     tracing::info!(config = ?settings, "configuration");
     let group = settings.election.group.clone();
+    let limit = settings.shutdown.timeout;
     let shutdown = CancellationToken::new();
     let handle = daemon::start(settings, shutdown.clone()).await?;
     // Listen for signals before saying ready: a supervisor may stop the daemon as soon as
     // it has read the line.
-    let signals = tokio::spawn(cancel_on_signal(signal_streams(), shutdown));
+    let signals = tokio::spawn(cancel_on_signal(signal_streams(), shutdown, limit));
     announce_ready(&Ready {
         ready: true,
         node_id: handle.node_id,
@@ -46,6 +48,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
     signals.abort();
     Ok(match exit {
         Exit::Stopped => ExitCode::SUCCESS,
+        Exit::Abandoned => ExitCode::from(EXIT_ABANDONED),
         Exit::Lagging => ExitCode::from(EXIT_LAGGING),
         Exit::Failed => ExitCode::FAILURE,
     })
@@ -71,7 +74,7 @@ fn signal_streams() -> Signals {
     ))
 }
 
-async fn cancel_on_signal(signals: Signals, shutdown: CancellationToken) {
+async fn cancel_on_signal(signals: Signals, shutdown: CancellationToken, limit: Duration) {
     let (mut term, mut int) = match signals {
         Ok(s) => s,
         Err(e) => {
@@ -84,4 +87,25 @@ async fn cancel_on_signal(signals: Signals, shutdown: CancellationToken) {
         _ = int.recv() => tracing::info!("SIGINT: stopping"),
     }
     shutdown.cancel();
+    exit_after(limit);
+}
+
+/// End the process `limit` after the stop was asked, whatever it is doing then. The stop
+/// bounds every wait on its own; this is for what it cannot bound: a thread that blocks
+/// (a task stuck outside an await), a runtime too starved to run the stop.
+fn exit_after(limit: Duration) {
+    let spawned = std::thread::Builder::new()
+        .name("timeoutd-exit".into())
+        .spawn(move || {
+            std::thread::sleep(limit);
+            tracing::error!(
+                ?limit,
+                "still stopping after shutdown.timeout: exiting now, abandoning what is \
+                 under way"
+            );
+            std::process::exit(i32::from(EXIT_ABANDONED));
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the shutdown.timeout watchdog");
+    }
 }

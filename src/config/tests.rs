@@ -31,6 +31,21 @@ fn defaults_match_the_contract() {
     assert_eq!(s.log.format, LogFormat::Text);
     assert_eq!(s.timing().max_lag, Duration::from_millis(1500));
     assert_eq!(s.timing().rule, Rule::Lowest { announcers: 3 });
+    // The stop promise: exit within a second of SIGTERM, whatever the peers do.
+    assert_eq!(s.shutdown.grace, Duration::from_millis(500));
+    assert_eq!(s.shutdown.timeout, Duration::from_secs(1));
+}
+
+/// A stop that waits for a batch as long as it may take (the bound before the stop was
+/// bounded by peers) is still a valid configuration.
+#[test]
+fn a_long_grace_is_valid_below_the_timeout() {
+    let s = load(&[
+        ("TIMEOUTD__SHUTDOWN__GRACE", "9s"),
+        ("TIMEOUTD__SHUTDOWN__TIMEOUT", "10s"),
+    ])
+    .expect("valid");
+    assert_eq!(s.shutdown.grace, Duration::from_secs(9));
 }
 
 #[test]
@@ -265,7 +280,9 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__SCAN__BATCH_SIZE", "100000", "scan.batch_size"),
         ("TIMEOUTD__BACKOFF__MIN", "1m", "backoff.min"),
         ("TIMEOUTD__SHUTDOWN__TIMEOUT", "0s", "shutdown.timeout"),
-        ("TIMEOUTD__SHUTDOWN__TIMEOUT", "7s", "shutdown.timeout"),
+        ("TIMEOUTD__SHUTDOWN__TIMEOUT", "11m", "shutdown.timeout"),
+        ("TIMEOUTD__SHUTDOWN__GRACE", "0s", "shutdown.grace"),
+        ("TIMEOUTD__SHUTDOWN__GRACE", "1s", "shutdown.grace"),
         (
             "TIMEOUTD__AMQP__CA_FILE",
             "/nonexistent/ca.pem",

@@ -707,12 +707,20 @@ async fn a_lagging_lowest_node_is_passed_over_at_once() {
 }
 
 /// SIGTERM while a batch waits for slow confirms (every byte from the broker 700 ms
-/// late): the batch stops sending, awaits what it sent, commits; exit 0. Nothing is both
-/// received and still in the table, nothing twice; a node started afterwards fires the
-/// rest, each exactly once.
+/// late), with a `shutdown.grace` that allows for them: the batch stops sending, awaits
+/// what it sent, commits; exit 0. Nothing is both received and still in the table,
+/// nothing twice; a node started afterwards fires the rest, each exactly once. (With the
+/// default grace such a broker is given up on: see `stopping`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_a_slow_batch_in_flight_commits_it() {
-    let (proxy, world) = behind_proxy(&amqp_addr(), "TIMEOUTD__AMQP__URL", amqp_url).await;
+    let (proxy, mut world) = behind_proxy(&amqp_addr(), "TIMEOUTD__AMQP__URL", amqp_url).await;
+    world.overrides.extend(
+        [
+            ("TIMEOUTD__SHUTDOWN__GRACE", "5s"),
+            ("TIMEOUTD__SHUTDOWN__TIMEOUT", "10s"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned())),
+    );
     let mut s = Scenario::new("sigterm-slow-batch", world).await;
     s.insert(3000, Duration::from_millis(500), Duration::ZERO)
         .await;

@@ -21,6 +21,7 @@ mod large_rows;
 mod on_time;
 mod principals;
 mod proxy;
+mod stopping;
 mod tls;
 mod trust_delay;
 mod trust_election;

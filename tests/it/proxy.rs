@@ -1,5 +1,6 @@
-//! A TCP proxy the tests control: pass traffic, delay what flows back to the client,
-//! stall everything (a black hole), refuse new connections, or cut the open ones.
+//! A TCP proxy the tests control: pass traffic, delay what flows back to the client or
+//! both ways, stall everything (a black hole), refuse new connections, or cut the open
+//! ones.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -16,6 +17,9 @@ pub enum Mode {
     Pass,
     /// Bytes from the server reach the client this much later.
     Delay(Duration),
+    /// Bytes in either direction arrive this much later: a slow link, where a round trip
+    /// takes twice as long.
+    Latency(Duration),
     /// Nothing flows in either direction; connections stay open.
     Stall,
     /// New connections are closed at once.
@@ -122,6 +126,7 @@ async fn pump(
         };
         let due = match *mode.borrow() {
             Mode::Delay(d) if to_client => Instant::now() + d,
+            Mode::Latency(d) => Instant::now() + d,
             _ => Instant::now(),
         };
         if tx.send((due, buf[..n].to_vec())).is_err() {
