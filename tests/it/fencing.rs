@@ -48,7 +48,6 @@ async fn pair() -> Pair {
             ("TIMEOUTD__SCAN__HORIZON", "1s"),
             // Long enough that the server's own timeout cannot be what frees the rows.
             ("TIMEOUTD__POSTGRES__STATEMENT_TIMEOUT", "60s"),
-            ("TIMEOUTD__SHUTDOWN__TIMEOUT", "70s"),
         ]
         .map(|(k, v)| (k.to_owned(), v.to_owned())),
     );
