@@ -514,6 +514,18 @@ impl Election {
         }
     }
 
+    /// The bus is up for the first time. Connecting may have taken longer than an
+    /// interval: the settling starts now, so that the group hears our probe for a whole
+    /// interval before we may act.
+    pub fn connected(&mut self, now: Instant) {
+        if let Phase::Settling { .. } = self.phase {
+            self.settle_from(now);
+            self.last_tick = now;
+            self.view_since = now;
+            self.last_heard = now;
+        }
+    }
+
     /// Shut down: go passive and announce `leaving` once. Further input is ignored.
     pub fn leave(&mut self, now: Instant) {
         if self.phase == Phase::Leaving {
@@ -534,10 +546,14 @@ impl Election {
 
     /// Probe and settle for one announce interval (or until the active node answers).
     fn settle(&mut self, now: Instant) {
+        self.settle_from(now);
+        self.queue_announce();
+    }
+
+    fn settle_from(&mut self, now: Instant) {
         self.phase = Phase::Settling {
             until: now + self.timing.announce_interval,
         };
-        self.queue_announce();
     }
 
     fn detect_pause(&mut self, now: Instant) -> bool {

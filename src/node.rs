@@ -109,6 +109,7 @@ impl NodeLoop {
             };
             if first {
                 tracing::info!("connected to RabbitMQ");
+                self.election.connected(Instant::now());
             } else {
                 tracing::info!("reconnected to RabbitMQ: probing the group again");
                 self.election.bus_lost(Instant::now());

@@ -1444,3 +1444,20 @@ fn only_members_that_went_silent_are_reported_departed() {
     }
     assert_eq!(seen, vec![id(1)]);
 }
+
+/// Connecting took longer than an interval: the node still settles for a whole interval
+/// from the connect, however long ago it was built.
+#[test]
+fn a_node_slow_to_connect_settles_for_an_interval_after_connecting() {
+    let t0 = Instant::now();
+    let mut e = Election::new(id(1), timing(), t0);
+    let connected = t0 + Duration::from_millis(2200);
+    e.connected(connected);
+    e.step(connected + MS, heard(id(1)));
+    e.tick(connected + Duration::from_millis(250));
+    assert!(!e.is_settled());
+    assert_eq!(e.role(), Role::Passive);
+    e.tick(connected + Duration::from_secs(1));
+    assert!(e.is_settled());
+    assert_eq!(e.role(), Role::Active);
+}
