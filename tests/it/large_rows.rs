@@ -17,7 +17,7 @@ use rand::{Rng, SeedableRng};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
-use crate::common::{Inbox, World, rabbitmqctl, wait_for_async};
+use crate::common::{Inbox, PATIENCE, World, rabbitmqctl, wait_for, wait_for_async};
 
 /// The broker's limit during the test: above any message the rest of the suite publishes
 /// (the suite shares the broker), so only this test's oversized rows meet it.
@@ -171,8 +171,16 @@ async fn run(seed: u64, n: usize, big: bool) -> Lateness {
         (String::new(), inbox.queue.clone()),
         (topic.clone(), "r.k".to_owned()),
     ];
-    let rows = plan(seed, n, big);
     let nodes = [world.start().await, world.start().await];
+    // Due from 3 s after a node acts, whenever that is: the normal rows' lateness is
+    // compared between runs, and must not hold how slowly the nodes came up.
+    wait_for(PATIENCE, "an active node", || {
+        nodes
+            .iter()
+            .any(|n| *n.role.borrow() == timeoutd::election::Role::Active)
+    })
+    .await;
+    let rows = plan(seed, n, big);
     insert(&world, &rows, &exchanges).await;
     let deliverable: Vec<&Row> = rows.iter().filter(|r| r.size != Size::Oversized).collect();
     wait_for_async(
