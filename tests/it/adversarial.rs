@@ -39,7 +39,7 @@ use sqlx::AssertSqlSafe;
 use timeoutd::store::{PendingFilter, Store};
 use uuid::Uuid;
 
-use crate::common::{World, amqp, wait_for_async};
+use crate::common::{PATIENCE, World, amqp, wait_for, wait_for_async};
 
 /// A small limit so that "too large" rows are cheap to make; above the 64 KiB a row
 /// carries inline, so that large payloads take the daemon's one-by-one path.
@@ -714,7 +714,7 @@ async fn run_case(seed: u64, rows: usize, durable: bool, faulty: bool) {
         })
         .map(|r| r.id.to_string())
         .collect();
-    let limit = tokio::time::Instant::now() + Duration::from_secs(60);
+    let limit = tokio::time::Instant::now() + PATIENCE * 2;
     loop {
         let got = consumer.counts();
         let missing: Vec<&String> = expected
@@ -749,16 +749,12 @@ async fn run_case(seed: u64, rows: usize, durable: bool, faulty: bool) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let undeliverable = case.rows.iter().filter(|r| r.kind.undeliverable()).count() as i64;
-    wait_for_async(
-        Duration::from_secs(30),
-        "every undeliverable row charged",
-        || async {
-            case.world
-                .count("attempts >= 1 AND last_error IS NOT NULL AND retry_at <> 'infinity'")
-                .await
-                >= undeliverable
-        },
-    )
+    wait_for_async(PATIENCE, "every undeliverable row charged", || async {
+        case.world
+            .count("attempts >= 1 AND last_error IS NOT NULL AND retry_at <> 'infinity'")
+            .await
+            >= undeliverable
+    })
     .await;
     // Retries keep running: give a second copy of anything the time to show up.
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -793,8 +789,15 @@ async fn kill_sessions_of_the_active_node(
     pool: sqlx::PgPool,
     nodes: Vec<(Uuid, tokio::sync::watch::Receiver<timeoutd::election::Role>)>,
 ) -> i64 {
+    // Counted from the moment a node acts, however long the nodes took to start.
+    wait_for(PATIENCE, "an active node", || {
+        nodes
+            .iter()
+            .any(|(_, role)| *role.borrow() == timeoutd::election::Role::Active)
+    })
+    .await;
     let mut killed = 0;
-    for wait in [1200, 700] {
+    for wait in [200, 700] {
         tokio::time::sleep(Duration::from_millis(wait)).await;
         let active = nodes
             .iter()

@@ -1,12 +1,10 @@
 //! Junk on the bus and odd rows: each gets a clear log line, the daemon keeps working.
 
-use std::time::Duration;
-
 use lapin::BasicProperties;
 use lapin::options::BasicPublishOptions;
 use timeoutd::client::Expectation;
 
-use crate::common::{Inbox, Observer, Proc, World, amqp, wait_for, wait_for_async};
+use crate::common::{Inbox, Observer, PATIENCE, Proc, World, amqp, wait_for, wait_for_async};
 
 /// Publish raw bodies on the group's announcement routing key, as the daemons' own
 /// broker user (the test's connection logs in as it): junk from a member, judged past
@@ -44,7 +42,7 @@ async fn junk_announcements_are_logged_and_dropped() {
     world.migrate().await;
     let observer = Observer::new(&world.group).await;
     let node = Proc::spawn(&world).await;
-    wait_for(Duration::from_secs(10), "active", || {
+    wait_for(PATIENCE, "active", || {
         observer.all().iter().any(|s| s.a.active)
     })
     .await;
@@ -65,7 +63,7 @@ async fn junk_announcements_are_logged_and_dropped() {
     ];
     publish_junk(&world.group, &junk).await;
     for reason in ["malformed", "too_large", "foreign_type", "other_group"] {
-        wait_for(Duration::from_secs(10), reason, || {
+        wait_for(PATIENCE, reason, || {
             node.log.lock().expect("log").iter().any(|l| {
                 l.contains("dropped announcement")
                     && l.contains(&format!("\"reason\":\"{reason}\""))
@@ -77,10 +75,7 @@ async fn junk_announcements_are_logged_and_dropped() {
     let inbox = Inbox::new().await;
     let e = Expectation::new("after-junk", "Reply", &inbox.queue);
     world.expect(&e).await;
-    wait_for(Duration::from_secs(10), "a TimeOut after the junk", || {
-        inbox.len() == 1
-    })
-    .await;
+    wait_for(PATIENCE, "a TimeOut after the junk", || inbox.len() == 1).await;
     drop(node);
     world.cleanup().await;
 }
@@ -116,10 +111,7 @@ async fn odd_rows_fire_or_stay_visible_as_failing() {
     }
     infinite_deadlines(&world, &exchange).await;
     let node = world.start().await;
-    wait_for(Duration::from_secs(15), "the good rows", || {
-        inbox.len() == fire.len() + 1
-    })
-    .await;
+    wait_for(PATIENCE, "the good rows", || inbox.len() == fire.len() + 1).await;
     let bodies: Vec<serde_json::Value> = inbox.all().into_iter().map(|r| r.body).collect();
     let payload_of = |p: &str| {
         bodies
@@ -134,7 +126,7 @@ async fn odd_rows_fire_or_stay_visible_as_failing() {
         serde_json::json!([1, "two", null])
     );
     assert!(bodies.iter().any(|b| b["process_id"] == "minus-infinity"));
-    wait_for_async(Duration::from_secs(10), "failures recorded", || async {
+    wait_for_async(PATIENCE, "failures recorded", || async {
         world.count("attempts > 0").await == stay_failing.len() as i64
     })
     .await;

@@ -2,7 +2,7 @@ use std::collections::BTreeSet;
 use std::process::Output;
 use std::time::Duration;
 
-use crate::common::{Inbox, Proc, World, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, Proc, World, exit_within, wait_for, wait_for_async};
 use crate::http::get;
 use crate::principals::ctl;
 
@@ -99,12 +99,12 @@ async fn run_prints_one_ready_line_naming_the_node_and_its_http_address() {
     assert_eq!(status["group"], world.group.as_str(), "{status}");
 
     daemon.signal("TERM");
-    let exit = tokio::time::timeout(Duration::from_secs(20), daemon.child.wait())
+    let exit = tokio::time::timeout(exit_within(&world), daemon.child.wait())
         .await
         .expect("stops on SIGTERM")
         .expect("wait");
     assert!(exit.success(), "{exit:?}");
-    wait_for(Duration::from_secs(5), "stdout read to its end", || {
+    wait_for(PATIENCE, "stdout read to its end", || {
         daemon.stdout_closed()
     })
     .await;
@@ -150,7 +150,7 @@ async fn expect_command_fires_one_timeout_through_the_daemon_binary() {
         serde_json::from_slice(&pending.stdout).expect("pending --json");
     assert_eq!(pending["counts"]["pending"], 1, "{pending}");
     assert_eq!(pending["rows"][0]["id"], id.as_str());
-    wait_for(Duration::from_secs(10), "the TimeOut", || inbox.len() == 1).await;
+    wait_for(PATIENCE, "the TimeOut", || inbox.len() == 1).await;
     let members = timeoutd(&world, &["members", "--once", "--json"], &[]);
     let members: serde_json::Value =
         serde_json::from_slice(&members.stdout).expect("members --json");
@@ -178,7 +178,7 @@ async fn pending_shows_failing_rows_without_touching_them() {
         timeoutd::client::Expectation::new("later", "Reply", "k").due_in(Duration::from_secs(3600));
     world.expect(&later).await;
     let node = world.start().await;
-    crate::common::wait_for_async(Duration::from_secs(10), "failure recorded", || async {
+    crate::common::wait_for_async(PATIENCE, "failure recorded", || async {
         world.count("attempts > 0").await == 1
     })
     .await;
@@ -440,13 +440,13 @@ where
     };
     let stdout = read(Box::new(child.stdout.take().expect("stdout")));
     let stderr = read(Box::new(child.stderr.take().expect("stderr")));
-    wait_for_async(Duration::from_secs(30), "done", done).await;
+    wait_for_async(PATIENCE, "done", done).await;
     let pid = child.id().expect("running").to_string();
     let term = std::process::Command::new("kill")
         .args(["-TERM", &pid])
         .status();
     assert!(term.is_ok_and(|s| s.success()), "kill -TERM");
-    let exit = tokio::time::timeout(Duration::from_secs(20), child.wait())
+    let exit = tokio::time::timeout(exit_within(world), child.wait())
         .await
         .expect("stops on SIGTERM")
         .expect("wait");

@@ -5,7 +5,7 @@ use std::time::Duration;
 use chrono::Utc;
 use timeoutd::client::{self, Expectation};
 
-use crate::common::{Inbox, World, wait_for};
+use crate::common::{Inbox, PATIENCE, World, wait_for};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expect_cancel_and_reschedule_inside_a_transaction() {
@@ -55,10 +55,7 @@ async fn expect_cancel_and_reschedule_inside_a_transaction() {
     tx.commit().await.expect("commit");
 
     let node = world.start().await;
-    wait_for(Duration::from_secs(10), "the one TimeOut", || {
-        inbox.len() == 1
-    })
-    .await;
+    wait_for(PATIENCE, "the one TimeOut", || inbox.len() == 1).await;
     let counts = inbox.counts();
     assert_eq!(counts.get(&fires.to_string()), Some(&1));
     // After the TimeOut fired, cancelling and rescheduling report "too late".

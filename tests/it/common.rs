@@ -232,6 +232,15 @@ impl Received {
         let id = self.properties.message_id().as_ref();
         id.map(|s| s.to_string()).unwrap_or_default()
     }
+
+    /// A TimeOut's `fired_at`: when the daemon sent it, by the database's clock. Unlike
+    /// `at` it holds neither the broker's nor this test's scheduling.
+    pub fn fired_at(&self) -> DateTime<Utc> {
+        self.body["fired_at"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no fired_at in {}", self.body))
+    }
 }
 
 /// An exclusive queue that collects what arrives, keyed by `message_id`.
@@ -415,6 +424,36 @@ impl Observer {
     }
 }
 
+/// The most a test waits for something a healthy daemon does within a second or two: a
+/// node becoming active, a TimeOut or a delayed message arriving, a row deleted, a line
+/// logged. Waits poll and return as soon as their condition holds, so only a test that
+/// fails anyway waits this long. It is this long because on a shared two-core machine
+/// under load (builds and other test runs beside this one) every step behind such a
+/// condition may queue for a core: a test must not fail for the machine's speed. Where
+/// the time *is* the point (a promise of the contract), the test measures it with the
+/// daemon's own stamps and bounds it by the settings, apart from these waits.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// Slack on a promise measured by the daemons' own stamps (`sent_at` of announcements,
+/// `fired_at` of TimeOuts), for what those stamps still hold of the machine: a message
+/// from one node to another through the broker, a timer firing late while other work
+/// takes the cores. Small beside what a broken promise costs (a `member_ttl`, a sweep).
+pub const STAMP_SLACK: Duration = Duration::from_secs(1);
+
+/// Wait until `node` holds the active role.
+pub async fn wait_active(node: &Handle) {
+    wait_for(PATIENCE, "node active", || {
+        *node.role.borrow() == timeoutd::election::Role::Active
+    })
+    .await;
+}
+
+/// How long a stopped daemon may take to exit: its own bound, `shutdown.timeout` by its
+/// clock, and as much again for the exit to be seen here on a loaded machine.
+pub fn exit_within(world: &World) -> Duration {
+    world.settings().shutdown.timeout * 2
+}
+
 /// Poll `cond` every 20 ms until it holds or `limit` passes.
 pub async fn wait_for<F: FnMut() -> bool>(limit: Duration, what: &str, mut cond: F) {
     let deadline = Instant::now() + limit;
@@ -443,8 +482,9 @@ where
     }
 }
 
-/// How long a daemon may take to print its ready line.
-const READY_WITHIN: Duration = Duration::from_secs(20);
+/// How long a daemon may take to print its ready line (it connects to both services
+/// first).
+const READY_WITHIN: Duration = PATIENCE;
 
 /// A `timeoutd run` process. Its node id and HTTP address come from the ready line it
 /// prints on stdout (the documented interface, not the log text); its JSON log (stderr)

@@ -11,7 +11,7 @@ use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, L
 use lapin::{BasicProperties, Channel};
 use timeoutd::election::Role;
 
-use crate::common::{Inbox, World, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, World, wait_active, wait_for, wait_for_async};
 
 /// A world whose delayed messages go to a target exchange of its own, or to any `t.*`.
 pub async fn delayed_world() -> (World, String) {
@@ -71,13 +71,6 @@ pub fn headers(entries: Vec<(&str, AMQPValue)>) -> FieldTable {
 
 fn header<'a>(p: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
     p.headers().as_ref()?.inner().get(name)
-}
-
-async fn wait_active(node: &timeoutd::daemon::Handle) {
-    wait_for(Duration::from_secs(10), "node active", || {
-        *node.role.borrow() == Role::Active
-    })
-    .await;
 }
 
 /// The plugin's way: `x-delay` in milliseconds. The message arrives at the target after
@@ -144,10 +137,7 @@ async fn x_delay_arrives_after_the_delay_byte_for_byte() {
         &body,
     )
     .await;
-    wait_for(Duration::from_secs(15), "the delayed message", || {
-        inbox.len() == 1
-    })
-    .await;
+    wait_for(PATIENCE, "the delayed message", || inbox.len() == 1).await;
     let got = &inbox.all()[0];
     let held = (got.at - sent).num_milliseconds();
     assert!(held >= 1500, "arrived after {held} ms, before its delay");
@@ -181,7 +171,7 @@ async fn x_delay_arrives_after_the_delay_byte_for_byte() {
     };
     assert!(*ms >= 1500, "held {ms} ms");
     assert_eq!(got.sender(), Some(node.node_id.to_string()));
-    wait_for_async(Duration::from_secs(5), "row deleted", || async {
+    wait_for_async(PATIENCE, "row deleted", || async {
         count(&world, "true").await == 0
     })
     .await;
@@ -191,7 +181,7 @@ async fn x_delay_arrives_after_the_delay_byte_for_byte() {
 
 /// `x-timeoutd-deliver-at` (RFC 3339) sets the due time; `x-timeoutd-exchange` picks
 /// another exchange; a message without `message_id` gets one; a message with no delay is
-/// delivered at once.
+/// delivered at once: before one published after it and due a few seconds later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliver_at_exchange_override_and_ids() {
     let (world, target) = delayed_world().await;
@@ -201,7 +191,16 @@ async fn deliver_at_exchange_override_and_ids() {
     let node = world.start().await;
     wait_active(&node).await;
     let (_conn, ch) = publisher().await;
-    let at = Utc::now() + chrono::Duration::milliseconds(1200);
+    publish(
+        &ch,
+        &world.ingress(),
+        "k.now",
+        BasicProperties::default(),
+        b"now",
+    )
+    .await;
+    // Even a loaded machine stores and sends the first message sooner than this.
+    let at = Utc::now() + chrono::Duration::milliseconds(3000);
     let h = headers(vec![
         (
             "x-timeoutd-deliver-at",
@@ -216,18 +215,7 @@ async fn deliver_at_exchange_override_and_ids() {
         .with_message_id("at-1".into())
         .with_headers(h);
     publish(&ch, &world.ingress(), "k.at", props, b"at").await;
-    publish(
-        &ch,
-        &world.ingress(),
-        "k.now",
-        BasicProperties::default(),
-        b"now",
-    )
-    .await;
-    wait_for(Duration::from_secs(15), "both messages", || {
-        inbox.len() == 2
-    })
-    .await;
+    wait_for(PATIENCE, "both messages", || inbox.len() == 2).await;
     let got = inbox.all();
     let now = got.iter().find(|r| r.raw == b"now").expect("now");
     assert!(
@@ -291,11 +279,8 @@ async fn junk_headers_and_oversized_bodies_are_kept_as_failing() {
     }
     let good = BasicProperties::default().with_message_id("good".into());
     publish(&ch, &world.ingress(), "k", good, b"fine").await;
-    wait_for(Duration::from_secs(10), "the good message", || {
-        inbox.len() == 1
-    })
-    .await;
-    wait_for_async(Duration::from_secs(10), "bad ones stored", || async {
+    wait_for(PATIENCE, "the good message", || inbox.len() == 1).await;
+    wait_for_async(PATIENCE, "bad ones stored", || async {
         count(&world, "attempts > 0").await == bad.len() as i64
     })
     .await;
@@ -321,7 +306,8 @@ async fn junk_headers_and_oversized_bodies_are_kept_as_failing() {
 }
 
 /// Cancel by SQL, by the CLI and by a cancel message: each removes its pending message,
-/// which is then never delivered; the one not cancelled is.
+/// which is then never delivered; the one not cancelled is. The cancelled ones are due
+/// long after the test, so that however slowly the cancels go they meet them pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_by_sql_cli_and_message() {
     let (world, target) = delayed_world().await;
@@ -329,14 +315,20 @@ async fn cancel_by_sql_cli_and_message() {
     let node = world.start().await;
     wait_active(&node).await;
     let (_conn, ch) = publisher().await;
-    for id in ["by-sql", "by-cli", "by-message", "kept"] {
+    let cancelled = "message_id IN ('by-sql', 'by-cli', 'by-message')";
+    for (id, delay) in [
+        ("by-sql", 600_000),
+        ("by-cli", 600_000),
+        ("by-message", 600_000),
+        ("kept", 2500),
+    ] {
         let props = BasicProperties::default()
             .with_message_id(id.into())
-            .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(2500))]));
+            .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(delay))]));
         publish(&ch, &world.ingress(), "k", props, id.as_bytes()).await;
     }
-    wait_for_async(Duration::from_secs(10), "4 stored", || async {
-        count(&world, "true").await == 4
+    wait_for_async(PATIENCE, "the three to cancel stored", || async {
+        count(&world, cancelled).await == 3
     })
     .await;
     let sql = format!(
@@ -362,14 +354,11 @@ async fn cancel_by_sql_cli_and_message() {
         AMQPValue::LongString(LongString::from("by-message")),
     )]));
     publish(&ch, &world.ingress(), "k", cancel, b"").await;
-    wait_for_async(Duration::from_secs(10), "1 left", || async {
-        count(&world, "true").await == 1
+    wait_for_async(PATIENCE, "the cancelled ones gone", || async {
+        count(&world, cancelled).await == 0
     })
     .await;
-    wait_for(Duration::from_secs(10), "the kept message", || {
-        inbox.len() == 1
-    })
-    .await;
+    wait_for(PATIENCE, "the kept message", || inbox.len() == 1).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let got = inbox.all();
     assert_eq!(got.len(), 1, "cancelled ones never delivered");
@@ -420,13 +409,17 @@ async fn a_redelivered_message_is_stored_and_delivered_once() {
         routing_key: "k".into(),
         properties: Properties {
             message_id: Some("once".into()),
-            // Long enough to be still pending when the redelivery arrives, however
-            // quickly the node becomes active: "stored once" is a promise while pending.
+            // Still pending when the redelivery arrives: "stored once" is a promise
+            // while pending.
             headers: vec![("x-delay".into(), Value::I32(5000))],
             ..Properties::default()
         },
         body: b"once".to_vec(),
     };
+    let node = world.start().await;
+    wait_active(&node).await;
+    // Stored only once the node runs: the redelivery follows it by one publish, well
+    // inside the delay, however slowly the node came up.
     let rules = world.settings().delay_rules().expect("rules");
     let stored = store
         .ingest(
@@ -437,14 +430,12 @@ async fn a_redelivered_message_is_stored_and_delivered_once() {
         .await
         .expect("stored before the crash");
     assert_eq!(stored.stored, 1);
-    let node = world.start().await;
-    wait_active(&node).await;
     let (_conn, ch) = publisher().await;
     let again = BasicProperties::default()
         .with_message_id("once".into())
         .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(5000))]));
     publish(&ch, &world.ingress(), "k", again, b"once").await;
-    wait_for(Duration::from_secs(20), "the message", || inbox.len() == 1).await;
+    wait_for(PATIENCE, "the message", || inbox.len() == 1).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(inbox.len(), 1, "delivered once");
     assert_eq!(count(&world, "true").await, 0);
@@ -482,8 +473,8 @@ async fn undeliverable_delayed_messages_stay_failing_and_the_rest_arrive() {
         }
         publish(&ch, &world.ingress(), key, props, id.as_bytes()).await;
     }
-    wait_for(Duration::from_secs(10), "the good one", || inbox.len() == 1).await;
-    wait_for_async(Duration::from_secs(10), "two failing", || async {
+    wait_for(PATIENCE, "the good one", || inbox.len() == 1).await;
+    wait_for_async(PATIENCE, "two failing", || async {
         count(&world, "attempts > 0 AND last_error IS NOT NULL").await == 2
     })
     .await;
@@ -521,7 +512,7 @@ async fn cancel_messages_are_exact_with_three_consuming_nodes() {
         world.start().await,
         world.start().await,
     ];
-    wait_for(Duration::from_secs(10), "an active node", || {
+    wait_for(PATIENCE, "an active node", || {
         nodes.iter().any(|n| *n.role.borrow() == Role::Active)
     })
     .await;
@@ -539,11 +530,9 @@ async fn cancel_messages_are_exact_with_three_consuming_nodes() {
         fates.extend(s.await.expect("publisher"));
     }
     let arriving = fates.values().filter(|f| f.cancel == Cancel::No).count();
-    wait_for(
-        Duration::from_secs(60),
-        "every message not cancelled",
-        || inbox.len() >= arriving,
-    )
+    wait_for(PATIENCE * 2, "every message not cancelled", || {
+        inbox.len() >= arriving
+    })
     .await;
     // A cancelled message would be due by now: give it a moment to show up.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -658,7 +647,10 @@ async fn send_and_cancel(ingress: String, seed: u64, from: u64, n: u64) -> HashM
 /// while and the node keeps its role — probes run as tasks, and a statement under way
 /// does not withdraw a node whose other statements succeed. (Before: the scan loop
 /// awaited each blocked probe until its lock timeout, about a second every tick, and
-/// messages came up to that late.)
+/// messages came up to that late.) Forty messages, one every 150 ms over six seconds:
+/// the fault made most of them late, while a stall of a loaded machine (measured under
+/// `stress`: up to 0.8 s, with or without the lock, in the broker or the daemon) holds
+/// those due during it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_locked_expectations_table_holds_up_neither_delayed_messages_nor_the_role() {
     let (world, target) = delayed_world().await;
@@ -682,9 +674,10 @@ async fn a_locked_expectations_table_holds_up_neither_delayed_messages_nor_the_r
         .await
         .expect("lock");
     let locked_at = std::time::Instant::now();
+    const N: i32 = 40;
     let (_conn, ch) = publisher().await;
     let mut due = HashMap::new();
-    for i in 0..20i32 {
+    for i in 0..N {
         let delay = 300 + 150 * i;
         let id = format!("locked-{i}");
         let props = BasicProperties::default()
@@ -696,9 +689,9 @@ async fn a_locked_expectations_table_holds_up_neither_delayed_messages_nor_the_r
         due.insert(id, at);
     }
     wait_for(
-        Duration::from_secs(10),
+        PATIENCE,
         "every delayed message while the other table is locked",
-        || inbox.len() == 20,
+        || inbox.len() == N as usize,
     )
     .await;
     // Hold the lock past member_ttl (3 s) + a tick, when the node would have withdrawn.
@@ -718,13 +711,12 @@ async fn a_locked_expectations_table_holds_up_neither_delayed_messages_nor_the_r
     late.sort_unstable();
     // Blocked behind the locked table, every tick would cost about a second (the lock
     // timeout): most messages late by hundreds of ms. On time, most are late by a few
-    // ms; one stall of a loaded machine may hold a few of them, never for long.
+    // ms; one stall of a loaded machine holds those due during it: judged by the median
+    // and the share (a stall may hold a quarter of them), not by the latest.
     let under = |ms: i64| late.iter().filter(|l| **l < ms).count();
+    println!("lateness (ms) while the other table was locked: {late:?}");
     assert!(
-        late[0] >= 0
-            && late[late.len() / 2] < 100
-            && under(500) * 5 >= late.len() * 4
-            && under(2000) == late.len(),
+        late[0] >= 0 && late[late.len() / 2] < 100 && under(500) * 4 >= late.len() * 3,
         "lateness (ms) while the other table was locked: {late:?}"
     );
     node.stop().await;
@@ -760,7 +752,7 @@ async fn an_ingress_batch_dropped_while_it_gathers_loses_no_message() {
     });
     let mut seen: HashMap<String, usize> = HashMap::new();
     let (mut batches, mut dropped) = (0, 0);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
     while seen.values().sum::<usize>() < N && tokio::time::Instant::now() < deadline {
         tokio::select! {
             batch = ingress.next_batch(64, Duration::from_millis(50)) => {

@@ -28,7 +28,9 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::common::{Inbox, Observer, Proc, World, amqp, pg_addr, wait_for, wait_for_async};
+use crate::common::{
+    Inbox, Observer, PATIENCE, Proc, World, amqp, pg_addr, wait_for, wait_for_async,
+};
 use crate::proxy::Proxy;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -38,7 +40,9 @@ enum Kind {
     Junk,
     /// Published twice while pending.
     Twice(u64),
-    /// Cancelled by a cancel message once stored.
+    /// Cancelled by a cancel message once stored. Due long after the test: the cancel
+    /// meets it pending however slowly the publishers go, and one that missed it would
+    /// be left in the table.
     Cancelled,
 }
 
@@ -74,7 +78,7 @@ fn props(id: &str, kind: Kind) -> BasicProperties {
             h.insert("x-delay".into(), s("later, please"));
         }
         Kind::Cancelled => {
-            h.insert("x-delay".into(), AMQPValue::LongInt(8000));
+            h.insert("x-delay".into(), AMQPValue::LongInt(600_000));
         }
     }
     BasicProperties::default()
@@ -176,7 +180,7 @@ async fn every_deliverable_received(inbox: &Inbox, sent: &HashMap<String, Sent>)
         .filter(|(_, s)| !matches!(s.kind, Kind::Junk | Kind::Cancelled))
         .map(|(id, _)| id)
         .collect();
-    wait_for(Duration::from_secs(60), "every deliverable message", || {
+    wait_for(PATIENCE, "every deliverable message", || {
         let counts = inbox.counts();
         deliverable.iter().all(|id| counts.contains_key(*id))
     })
@@ -238,7 +242,7 @@ async fn kill_9_of_consuming_and_active_nodes_loses_nothing() {
     let observer = Observer::new(&world.group).await;
     let mut procs = Proc::group(&world, 3).await;
     let lowest = procs.iter().map(|p| p.node_id).min().expect("procs");
-    wait_for(Duration::from_secs(10), "an active node", || {
+    wait_for(PATIENCE, "an active node", || {
         observer
             .first_after(Instant::now() - Duration::from_secs(60), |a| a.active)
             .is_some()
@@ -254,7 +258,7 @@ async fn kill_9_of_consuming_and_active_nodes_loses_nothing() {
         .expect("passive");
     procs.remove(passive).signal("KILL");
     let sent = all_sent(publishers).await;
-    cancel_once_stored(&world, &sent, Duration::from_secs(20)).await;
+    cancel_once_stored(&world, &sent, PATIENCE).await;
     // The active node dies while messages come due; a fresh node joins.
     let active = procs
         .iter()
@@ -301,7 +305,7 @@ async fn pipelined_ingest_survives_repeated_database_cuts() {
     world.migrate().await;
     let inbox = Inbox::on_exchange(&target, "#").await;
     let mut procs = Proc::group(&world, 2).await;
-    wait_for_async(Duration::from_secs(20), "both nodes consuming", || {
+    wait_for_async(PATIENCE, "both nodes consuming", || {
         consumers_at_least(world.ingress(), 2)
     })
     .await;
@@ -317,7 +321,7 @@ async fn pipelined_ingest_survives_repeated_database_cuts() {
     let sent = all_sent(publishers).await;
     stop_cuts.cancel();
     let (proxy, cuts) = cutter.await.expect("cutter");
-    cancel_once_stored(&world, &sent, Duration::from_secs(30)).await;
+    cancel_once_stored(&world, &sent, PATIENCE).await;
     every_deliverable_received(&inbox, &sent).await;
     settled(&world).await;
     let retried = procs
@@ -382,7 +386,7 @@ async fn cut_now_and_then(
 /// node sent but could not commit is still there until its successor sends it again,
 /// a member_ttl later; then a second copy may still be on its way to the inbox.
 async fn settled(world: &World) {
-    wait_for_async(Duration::from_secs(30), "only held rows left", || async {
+    wait_for_async(PATIENCE, "only held rows left", || async {
         rows(world, "coalesce(retry_at <> 'infinity', true)")
             .await
             .is_empty()

@@ -9,7 +9,7 @@ use timeoutd::client::Expectation;
 use timeoutd::election::Role;
 use timeoutd::store::{DELAYED, Deletes, EXPECTATIONS, Store, Table};
 
-use crate::common::{Inbox, World, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, World, wait_for, wait_for_async};
 
 async fn deletes(store: &Store, table: Table) -> Deletes {
     let (tx, deletes) = store.begin_scan(table).await.expect("begin scan");
@@ -135,7 +135,7 @@ async fn rows_a_trigger_refuses_to_delete_are_parked_alone() {
         .await;
     let inbox = Inbox::new().await;
     let node = world.start().await;
-    wait_for(Duration::from_secs(5), "node active", || {
+    wait_for(PATIENCE, "node active", || {
         *node.role.borrow() == Role::Active
     })
     .await;
@@ -151,11 +151,8 @@ async fn rows_a_trigger_refuses_to_delete_are_parked_alone() {
         let e = Expectation::new(&process, "Paid", &inbox.queue).due_at(due_at);
         ids.insert(world.expect(&e).await.to_string());
     }
-    wait_for(Duration::from_secs(30), "300 TimeOuts", || {
-        inbox.len() >= 300
-    })
-    .await;
-    wait_for_async(Duration::from_secs(10), "settled", || async {
+    wait_for(PATIENCE, "300 TimeOuts", || inbox.len() >= 300).await;
+    wait_for_async(PATIENCE, "settled", || async {
         world.count("retry_at IS DISTINCT FROM 'infinity'").await == 0
     })
     .await;
@@ -187,7 +184,7 @@ async fn fired_rows_are_deleted_by_the_transaction_that_locked_them() {
         .await;
     let inbox = Inbox::new().await;
     let node = world.start().await;
-    wait_for(Duration::from_secs(5), "node active", || {
+    wait_for(PATIENCE, "node active", || {
         *node.role.borrow() == Role::Active
     })
     .await;
@@ -198,8 +195,8 @@ async fn fired_rows_are_deleted_by_the_transaction_that_locked_them() {
         let e = Expectation::new(&format!("p-{i}"), "Paid", &inbox.queue).due_at(due_at);
         world.expect(&e).await;
     }
-    wait_for(Duration::from_secs(30), "20 TimeOuts", || inbox.len() >= 20).await;
-    wait_for_async(Duration::from_secs(5), "rows deleted", || async {
+    wait_for(PATIENCE, "20 TimeOuts", || inbox.len() >= 20).await;
+    wait_for_async(PATIENCE, "rows deleted", || async {
         world.count("true").await == 0
     })
     .await;

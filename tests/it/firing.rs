@@ -1,4 +1,4 @@
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -6,9 +6,8 @@ use lapin::types::AMQPValue;
 use rand::seq::SliceRandom;
 use sqlx::AssertSqlSafe;
 use timeoutd::client::Expectation;
-use timeoutd::election::Role;
 
-use crate::common::{Inbox, World, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, World, wait_active, wait_for, wait_for_async};
 
 /// 500 expectations all due 1.5 s from now (and 50 due in an hour): each TimeOut arrives
 /// exactly once, never before its deadline, with the contract's properties and body; the
@@ -19,10 +18,7 @@ async fn fires_500_due_rows_exactly_once_and_leaves_the_rest() {
     world.migrate().await;
     let inbox = Inbox::new().await;
     let node = world.start().await;
-    wait_for(Duration::from_secs(5), "node active", || {
-        *node.role.borrow() == Role::Active
-    })
-    .await;
+    wait_active(&node).await;
     let due_at = Utc::now() + chrono::Duration::milliseconds(1500);
     let mut ids = HashSet::new();
     for i in 0..500 {
@@ -36,10 +32,7 @@ async fn fires_500_due_rows_exactly_once_and_leaves_the_rest() {
             .due_in(Duration::from_secs(3600));
         world.expect(&e).await;
     }
-    wait_for(Duration::from_secs(30), "500 TimeOuts", || {
-        inbox.len() >= 500
-    })
-    .await;
+    wait_for(PATIENCE, "500 TimeOuts", || inbox.len() >= 500).await;
     let got = inbox.all();
     let last = got.iter().map(|r| r.at).max().expect("some");
     let secs = (last - due_at)
@@ -64,7 +57,7 @@ async fn fires_500_due_rows_exactly_once_and_leaves_the_rest() {
         );
         check_contract(r, node.node_id, &inbox.queue);
     }
-    wait_for_async(Duration::from_secs(5), "due rows deleted", || async {
+    wait_for_async(PATIENCE, "due rows deleted", || async {
         world.count("timeout_at <= now()").await == 0
     })
     .await;
@@ -140,26 +133,21 @@ async fn a_new_deadline_wakes_the_node_before_its_tick() {
     world.migrate().await;
     let inbox = Inbox::new().await;
     let node = world.start().await;
-    wait_for(Duration::from_secs(10), "node active", || {
-        *node.role.borrow() == Role::Active
-    })
-    .await;
+    wait_active(&node).await;
     // Active on an empty table: the node now sleeps for a whole tick unless woken.
     let due = Utc::now() + chrono::Duration::milliseconds(700);
-    let inserted = Instant::now();
     world
         .expect(&Expectation::new("woken", "Reply", &inbox.queue).due_at(due))
         .await;
-    wait_for(Duration::from_secs(10), "the TimeOut", || inbox.len() == 1).await;
-    let took = inserted.elapsed();
+    wait_for(PATIENCE, "the TimeOut", || inbox.len() == 1).await;
     let got = inbox.all();
     assert!(got[0].at >= due, "fired before its deadline");
-    // Well before the 4 s tick: the wakeup came from the deadline, not the tick.
-    assert!(took < Duration::from_secs(2), "fired after {took:?}");
-    println!(
-        "woken by NOTIFY: fired {:?} after its deadline",
-        (got[0].at - due).to_std().unwrap_or_default()
-    );
+    // By the node's own stamp: woken by the deadline, it fires on it; woken by its
+    // tick, it would fire anywhere up to a whole tick (4 s) late.
+    let late = (got[0].fired_at() - due).to_std().unwrap_or_default();
+    let tick = world.settings().election.tick;
+    assert!(late < tick / 2, "fired {late:?} after its deadline");
+    println!("woken by NOTIFY: fired {late:?} after its deadline");
     node.stop().await;
     world.cleanup().await;
 }
@@ -169,7 +157,8 @@ async fn a_new_deadline_wakes_the_node_before_its_tick() {
 /// after, while it reconnects, and nothing after them (a later row's batch would take
 /// them along): each still fires once, long before any probe would have found it (the
 /// node probes every tick while it cannot listen, and looks once more as soon as it
-/// listens again).
+/// listens again). "Long before" is by the node's own stamp: within half the probe
+/// interval of the row's writing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_written_while_the_listen_connection_is_down_do_not_wait_for_a_probe() {
     let mut world = World::new().await;
@@ -180,14 +169,12 @@ async fn rows_written_while_the_listen_connection_is_down_do_not_wait_for_a_prob
     world.migrate().await;
     let inbox = Inbox::new().await;
     let node = world.start().await;
-    wait_for(Duration::from_secs(10), "node active", || {
-        *node.role.borrow() == Role::Active
-    })
-    .await;
+    wait_active(&node).await;
     let started = Instant::now();
     let mut written = 0;
+    let mut written_at = HashMap::new();
     for round in 0..3 {
-        wait_for_async(Duration::from_secs(10), "a LISTEN session", || {
+        wait_for_async(PATIENCE, "a LISTEN session", || {
             listen_sessions(&world, node.node_id)
         })
         .await;
@@ -202,10 +189,13 @@ async fn rows_written_while_the_listen_connection_is_down_do_not_wait_for_a_prob
         assert_eq!(killed, 1, "round {round}: the LISTEN session");
         for i in 0..3 {
             let e = Expectation::new(&format!("gap-{round}-{i}"), "Reply", &inbox.queue);
-            world.expect(&e).await;
+            let at = Utc::now();
+            written_at.insert(world.expect(&e).await.to_string(), at);
             written += 1;
         }
-        wait_for(Duration::from_secs(10), "the rows of the gap", || {
+        // A row found only by the probe a minute later would be caught below, by its
+        // stamp; this wait only has to outlast a loaded machine.
+        wait_for(PATIENCE * 2, "the rows of the gap", || {
             inbox.len() >= written
         })
         .await;
@@ -214,8 +204,19 @@ async fn rows_written_while_the_listen_connection_is_down_do_not_wait_for_a_prob
     let counts = inbox.counts();
     assert_eq!(counts.len(), written, "distinct");
     assert!(counts.values().all(|n| *n == 1), "each exactly once");
+    let probes = world.settings().scan.probe_interval;
+    for r in inbox.all() {
+        let after = (r.fired_at() - written_at[&r.message_id()])
+            .to_std()
+            .unwrap_or_default();
+        assert!(
+            after < probes / 2,
+            "{} fired {after:?} after it was written",
+            r.message_id()
+        );
+    }
     // Received before its batch commits: the delete follows.
-    wait_for_async(Duration::from_secs(10), "every row deleted", || async {
+    wait_for_async(PATIENCE, "every row deleted", || async {
         world.count("true").await == 0
     })
     .await;
@@ -227,9 +228,9 @@ async fn rows_written_while_the_listen_connection_is_down_do_not_wait_for_a_prob
 /// A process manager may write a deadline that has already passed — by an hour, or by a
 /// little more than `scan.fresh`, out of the on-time lane's reach — while the active node
 /// scans from where it stands (past such a row). Its notification sends the node back to
-/// it: each fires within seconds, not at the next sweep 30 s on, and the probes (a
-/// minute apart here) have no part in it. Rounds mix such rows, in random order, with
-/// rows coming due at once.
+/// it: each fires within seconds, not at the next sweep 30 s on (by the node's stamp,
+/// within half of that from its writing), and the probes (a minute apart here) have no
+/// part in it. Rounds mix such rows, in random order, with rows coming due at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_written_already_overdue_fires_at_once_not_at_the_next_sweep() {
     let mut world = World::new().await;
@@ -240,12 +241,10 @@ async fn a_row_written_already_overdue_fires_at_once_not_at_the_next_sweep() {
     world.migrate().await;
     let inbox = Inbox::new().await;
     let node = world.start().await;
-    wait_for(Duration::from_secs(10), "node active", || {
-        *node.role.borrow() == Role::Active
-    })
-    .await;
+    wait_active(&node).await;
     // Fresh rows first, so that the scan stands at now when the overdue ones come.
     let mut written = 0;
+    let mut written_at = HashMap::new();
     let mut slowest = Duration::ZERO;
     for round in 0..4 {
         let mut overdue_ms: Vec<i64> = (0..6)
@@ -258,21 +257,32 @@ async fn a_row_written_already_overdue_fires_at_once_not_at_the_next_sweep() {
             let due = Utc::now() - chrono::Duration::milliseconds(*ms);
             let e =
                 Expectation::new(&format!("late-{round}-{i}"), "Reply", &inbox.queue).due_at(due);
-            world.expect(&e).await;
+            let at = Utc::now();
+            written_at.insert(world.expect(&e).await.to_string(), at);
             written += 1;
         }
-        // Well inside the 30 s between sweeps: four rounds cannot all be lucky.
-        wait_for(Duration::from_secs(5), "the round's rows", || {
-            inbox.len() >= written
-        })
-        .await;
+        // A row left for the sweep would still arrive within this wait, and be caught
+        // below by its stamp.
+        wait_for(PATIENCE, "the round's rows", || inbox.len() >= written).await;
         slowest = slowest.max(started.elapsed());
         tokio::time::sleep(Duration::from_millis(rand::random_range(0..1_500))).await;
     }
     let counts = inbox.counts();
     assert_eq!(counts.len(), written, "distinct");
     assert!(counts.values().all(|n| *n == 1), "each exactly once");
-    wait_for_async(Duration::from_secs(10), "every row deleted", || async {
+    // Half the time between sweeps: each round starts right after the last one's rows
+    // fired, so a row that waited for a sweep cannot be lucky twice.
+    for r in inbox.all() {
+        let after = (r.fired_at() - written_at[&r.message_id()])
+            .to_std()
+            .unwrap_or_default();
+        assert!(
+            after < SWEEP / 2,
+            "{} fired {after:?} after it was written",
+            r.message_id()
+        );
+    }
+    wait_for_async(PATIENCE, "every row deleted", || async {
         world.count("true").await == 0
     })
     .await;
@@ -280,6 +290,9 @@ async fn a_row_written_already_overdue_fires_at_once_not_at_the_next_sweep() {
     node.stop().await;
     world.cleanup().await;
 }
+
+/// How often the active node sweeps the due index from its start (`BACKLOG_RESCAN`).
+const SWEEP: Duration = Duration::from_secs(30);
 
 /// Whether the node has a LISTEN session now.
 async fn listen_sessions(world: &World, node: uuid::Uuid) -> bool {

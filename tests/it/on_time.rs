@@ -16,7 +16,7 @@ use timeoutd::client::Expectation;
 use timeoutd::election::Role;
 use uuid::Uuid;
 
-use crate::common::{Inbox, World, wait_for};
+use crate::common::{Inbox, PATIENCE, World, wait_active, wait_for};
 
 /// What the process manager does to a row while it may be held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,7 +47,7 @@ async fn held_rows_go_out_at_their_own_deadlines_and_cancels_wait_for_them() {
     world.migrate().await;
     let inbox = Inbox::new().await;
     let nodes = [world.start().await, world.start().await];
-    wait_for(Duration::from_secs(10), "an active node", || {
+    wait_for(PATIENCE, "an active node", || {
         nodes.iter().any(|n| *n.role.borrow() == Role::Active)
     })
     .await;
@@ -86,11 +86,9 @@ async fn held_rows_go_out_at_their_own_deadlines_and_cancels_wait_for_them() {
         .iter()
         .filter(|(id, (_, t))| !(*t == Touch::Cancel && said[*id].rows == 1))
         .count();
-    wait_for(
-        Duration::from_secs(30),
-        "every row that must arrive",
-        || inbox.counts().len() >= expected,
-    )
+    wait_for(PATIENCE, "every row that must arrive", || {
+        inbox.counts().len() >= expected
+    })
     .await;
     // Anything extra would show up within a tick or two.
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -106,12 +104,18 @@ async fn held_rows_go_out_at_their_own_deadlines_and_cancels_wait_for_them() {
 }
 
 async fn touch_row(pool: &sqlx::PgPool, schema: &str, id: Uuid, touch: Touch, later: f64) -> Said {
+    // Hundreds of these share the test's pool: the wait for a connection is the test's
+    // own, not the held row's, so the clock starts once the statement has one.
+    let mut conn = pool.acquire().await.expect("connection");
     let started = Instant::now();
     let t = format!("{schema}.expected_messages");
     let (rows, new_deadline) = match touch {
         Touch::Cancel => {
             let sql = format!("DELETE FROM {t} WHERE id = $1");
-            let done = sqlx::query(AssertSqlSafe(sql)).bind(id).execute(pool).await;
+            let done = sqlx::query(AssertSqlSafe(sql))
+                .bind(id)
+                .execute(&mut *conn)
+                .await;
             (done.expect("delete").rows_affected(), None)
         }
         _ => {
@@ -122,7 +126,7 @@ async fn touch_row(pool: &sqlx::PgPool, schema: &str, id: Uuid, touch: Touch, la
             let moved: Option<DateTime<Utc>> = sqlx::query_scalar(AssertSqlSafe(sql))
                 .bind(id)
                 .bind(later)
-                .fetch_optional(pool)
+                .fetch_optional(&mut *conn)
                 .await
                 .expect("update");
             (u64::from(moved.is_some()), moved)
@@ -219,10 +223,7 @@ async fn fresh_rows_keep_their_time_while_a_backlog_drains() {
         .await
         .expect("backlog");
     let node = world.start().await;
-    wait_for(Duration::from_secs(10), "node active", || {
-        *node.role.borrow() == Role::Active
-    })
-    .await;
+    wait_active(&node).await;
     let mut fresh = HashMap::new();
     let first = Utc::now() + chrono::Duration::milliseconds(300);
     for i in 0..60 {
@@ -231,10 +232,7 @@ async fn fresh_rows_keep_their_time_while_a_backlog_drains() {
         fresh.insert(world.expect(&e).await.to_string(), due);
     }
     let total = backlog as usize + fresh.len();
-    wait_for(Duration::from_secs(120), "every row", || {
-        inbox.len() >= total
-    })
-    .await;
+    wait_for(PATIENCE * 3, "every row", || inbox.len() >= total).await;
     let got = inbox.all();
     let counts = inbox.counts();
     assert_eq!(counts.len(), total, "distinct");

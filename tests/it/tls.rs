@@ -10,7 +10,7 @@ use std::time::Duration;
 use timeoutd::client::Expectation;
 use timeoutd::election::Role;
 
-use crate::common::{Inbox, Proc, World, pg_url, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, Proc, World, pg_url, wait_for, wait_for_async};
 use crate::http::get;
 
 const TLS_DIR: &str = "/var/tmp/timeoutd-tls";
@@ -82,19 +82,19 @@ async fn fires_over_amqps_and_verified_postgres_tls() {
     world.migrate().await;
     let inbox = Inbox::new().await;
     let node = world.start().await;
-    wait_for(Duration::from_secs(10), "node active over TLS", || {
+    wait_for(PATIENCE, "node active over TLS", || {
         *node.role.borrow() == Role::Active
     })
     .await;
     let addr = node.http_addr;
-    wait_for_async(Duration::from_secs(5), "ready over TLS", || async {
+    wait_for_async(PATIENCE, "ready over TLS", || async {
         get(addr, "/readyz").await.0 == 200
     })
     .await;
     let e = Expectation::new("tls-proc", "PaymentReceived", &inbox.queue)
         .due_in(Duration::from_millis(300));
     let id = world.expect(&e).await;
-    wait_for(Duration::from_secs(10), "the TimeOut", || inbox.len() >= 1).await;
+    wait_for(PATIENCE, "the TimeOut", || inbox.len() >= 1).await;
     let got = inbox.all();
     assert_eq!(got.len(), 1);
     let message_id = got[0]
@@ -107,7 +107,7 @@ async fn fires_over_amqps_and_verified_postgres_tls() {
         got[0].properties.kind().as_ref().map(|s| s.as_str()),
         Some("TimeOut")
     );
-    wait_for_async(Duration::from_secs(5), "row deleted", || async {
+    wait_for_async(PATIENCE, "row deleted", || async {
         world.count("true").await == 0
     })
     .await;
@@ -125,7 +125,7 @@ async fn amqps_without_the_ca_is_refused() {
     world.migrate().await;
     let node = Proc::spawn(&world).await;
     wait_for(
-        Duration::from_secs(10),
+        PATIENCE,
         "a certificate error connecting to RabbitMQ",
         || node.logged("cannot connect to RabbitMQ") && node.logged("certificate"),
     )

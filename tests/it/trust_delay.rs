@@ -7,7 +7,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
@@ -22,7 +21,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use timeoutd::election::Role;
 
-use crate::common::{World, wait_for, wait_for_async};
+use crate::common::{PATIENCE, World, wait_for, wait_for_async};
 use crate::delayed::{count, headers, publish, publisher_at, usage_drift};
 use crate::http::get;
 use crate::principals::{Realm, Rights};
@@ -86,7 +85,7 @@ impl Stage {
 
     async fn active_node(&self) -> timeoutd::daemon::Handle {
         let node = self.world.start().await;
-        wait_for(Duration::from_secs(15), "node active", || {
+        wait_for(PATIENCE, "node active", || {
             *node.role.borrow() == Role::Active
         })
         .await;
@@ -343,22 +342,20 @@ async fn a_write_only_publisher_cannot_use_the_daemons_rights() {
     }
     let oks = plan.iter().filter(|p| p.0.starts_with("ok-")).count();
     let held = (plan.len() - oks) as i64 + 1;
-    wait_for(Duration::from_secs(30), "the allowed messages", || {
+    wait_for(PATIENCE, "the allowed messages", || {
         allowed.ids().len() >= oks
     })
     .await;
     let refused = "retry_at = 'infinity' AND attempts = 1 \
                    AND (last_error LIKE '%never receives%' OR last_error LIKE '%matches no%')";
-    wait_for_async(Duration::from_secs(30), "every attack held", || async {
+    wait_for_async(PATIENCE, "every attack held", || async {
         count(&stage.world, refused).await == held
     })
     .await;
     // Only the attacks stay (a delivered row goes once its batch commits).
-    wait_for_async(
-        Duration::from_secs(30),
-        "the delivered rows deleted",
-        || async { count(&stage.world, "true").await == held },
-    )
+    wait_for_async(PATIENCE, "the delivered rows deleted", || async {
+        count(&stage.world, "true").await == held
+    })
     .await;
     let out = crate::cli::timeoutd(&stage.world, &["pending", "--failing", "--json"], &[]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
@@ -501,7 +498,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
             }
         }
     }
-    wait_for_async(Duration::from_secs(30), "the copies pending", || async {
+    wait_for_async(PATIENCE, "the copies pending", || async {
         count(&stage.world, "body = 'attacker'").await == ids.len() as i64
     })
     .await;
@@ -543,7 +540,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     };
     victim_task.await.expect("victim");
     attacker_task.await.expect("attacker");
-    wait_for(Duration::from_secs(30), "every victim message", || {
+    wait_for(PATIENCE, "every victim message", || {
         inbox.ids().len() >= ids.len()
     })
     .await;
@@ -568,11 +565,9 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
     }
     // Received before its batch commits the delete.
     let victims = format!("owner = '{victim}'");
-    wait_for_async(
-        Duration::from_secs(30),
-        "every victim row deleted",
-        || async { count(&stage.world, &victims).await == 0 },
-    )
+    wait_for_async(PATIENCE, "every victim row deleted", || async {
+        count(&stage.world, &victims).await == 0
+    })
     .await;
     for d in inbox.all() {
         let at = d.at;
@@ -601,7 +596,7 @@ async fn another_publisher_can_neither_cancel_nor_preempt_a_message() {
             .with_headers(headers(vec![("x-delay", AMQPValue::LongLongInt(600_000))]));
         publish(&ch, &ingress, "k", props, b"victim").await;
     }
-    wait_for_async(Duration::from_secs(30), "by-cli stored", || async {
+    wait_for_async(PATIENCE, "by-cli stored", || async {
         count(&stage.world, "message_id = 'by-cli'").await == 1
     })
     .await;
@@ -694,21 +689,17 @@ async fn what_one_publisher_can_store_is_bounded() {
             .with_user_id(other.as_str().into());
         publish(&ch, &ingress, "k", props, b"fine").await;
     }
-    wait_for(Duration::from_secs(30), "the other owner's message", || {
+    wait_for(PATIENCE, "the other owner's message", || {
         inbox.ids() == ["unaffected"]
     })
     .await;
     let flooder_rows = format!("owner = '{flooder}'");
     let heavy_rows = format!("owner = '{heavy}'");
-    wait_for_async(
-        Duration::from_secs(30),
-        "everything stored or dead-lettered",
-        || async {
-            let stored =
-                count(&stage.world, &flooder_rows).await + count(&stage.world, &heavy_rows).await;
-            stored + dead.ids().len() as i64 == 8 + 5
-        },
-    )
+    wait_for_async(PATIENCE, "everything stored or dead-lettered", || async {
+        let stored =
+            count(&stage.world, &flooder_rows).await + count(&stage.world, &heavy_rows).await;
+        stored + dead.ids().len() as i64 == 8 + 5
+    })
     .await;
     assert_eq!(
         count(&stage.world, &flooder_rows).await,

@@ -15,9 +15,12 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use timeoutd::client::Expectation;
 use timeoutd::wire::announcement::{Announcement, MESSAGE_TYPE, SIGNATURE_HEADER};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::common::{Inbox, Proc, World, amqp_at, consumed_queue, wait_for, wait_for_async};
+use crate::common::{
+    Inbox, PATIENCE, Proc, World, amqp_at, consumed_queue, wait_for, wait_for_async,
+};
 use crate::http::{get, metric};
 use crate::principals::{Realm, Rights, names};
 
@@ -186,12 +189,10 @@ async fn fire_during(world: &World, inbox: &Inbox, span: Duration, every: Durati
     n
 }
 
-/// Every row arrived once, none later than `late` after its deadline.
+/// Every row arrived once, none fired later than `late` after its deadline (by the
+/// firing node's stamp: the broker's delivery to this test does not count).
 async fn all_on_time(inbox: &Inbox, rows: usize, late: Duration) {
-    wait_for(Duration::from_secs(60), "every TimeOut", || {
-        inbox.len() >= rows
-    })
-    .await;
+    wait_for(PATIENCE, "every TimeOut", || inbox.len() >= rows).await;
     let counts = inbox.counts();
     assert_eq!(counts.len(), rows, "each row once: {counts:?}");
     for r in inbox.all() {
@@ -199,8 +200,8 @@ async fn all_on_time(inbox: &Inbox, rows: usize, late: Duration) {
             .as_str()
             .and_then(|s| s.parse().ok())
             .expect("timeout_at");
-        let lateness = (r.at - due).to_std().unwrap_or_default();
-        assert!(lateness < late, "{} arrived {lateness:?} late", r.body);
+        let lateness = (r.fired_at() - due).to_std().unwrap_or_default();
+        assert!(lateness < late, "{} fired {lateness:?} late", r.body);
     }
 }
 
@@ -469,21 +470,24 @@ async fn declare_announcements(url: &str) {
 }
 
 /// A node of an earlier version: announces with the daemons' user but without `user_id`
-/// or `seq`, as those versions do (the body is what they send).
-async fn legacy_node(url: &str, group: &str, id: &str, for_: Duration) {
+/// or `seq`, as those versions do (the body is what they send), until `stop`, then
+/// leaves.
+async fn legacy_node(url: &str, group: &str, id: &str, stop: CancellationToken) {
     let conn = amqp_at(url).await;
-    let until = Instant::now() + for_;
     let body = |leaving: bool| {
         format!(
             r#"{{"node_id":"{id}","group":"{group}","sent_at":"{}","active":true,"leaving":{leaving},"probe":false,"withdrawn":false}}"#,
             Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true)
         )
     };
-    while Instant::now() < until {
+    while !stop.is_cancelled() {
         publish(&conn, group, typed(), body(false).as_bytes())
             .await
             .expect("legacy announce");
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
     }
     publish(&conn, group, typed(), body(true).as_bytes())
         .await
@@ -507,9 +511,12 @@ async fn an_upgrade_from_a_version_without_proof_counts_old_nodes_only_when_aske
         )])
         .await;
         let group = setup.world.group.clone();
+        // It stays until the new node has been judged beside it, however long the new
+        // one takes to start and settle.
+        let leave = CancellationToken::new();
         let old = tokio::spawn({
-            let (url, group) = (setup.daemon_url.clone(), group.clone());
-            async move { legacy_node(&url, &group, OLD, Duration::from_secs(8)).await }
+            let (url, group, leave) = (setup.daemon_url.clone(), group.clone(), leave.clone());
+            async move { legacy_node(&url, &group, OLD, leave).await }
         });
         tokio::time::sleep(Duration::from_millis(600)).await;
         let node = Proc::spawn(&setup.world).await;
@@ -518,7 +525,7 @@ async fn an_upgrade_from_a_version_without_proof_counts_old_nodes_only_when_aske
                 .as_array()
                 .is_some_and(|m| m.iter().any(|m| m["node_id"] == OLD))
         };
-        wait_for_async(Duration::from_secs(30), "settled", || async {
+        wait_for_async(PATIENCE, "settled", || async {
             status(node.http_addr).await["settled"] == true
         })
         .await;
@@ -528,17 +535,17 @@ async fn an_upgrade_from_a_version_without_proof_counts_old_nodes_only_when_aske
         if accept {
             assert!(knows_old(&s), "the old node counts: {s}");
             assert_eq!(s["role"], "passive", "{s}");
+            leave.cancel();
             old.await.expect("legacy node");
-            wait_for_async(
-                Duration::from_secs(30),
-                "the new node takes over",
-                || async { status(node.http_addr).await["role"] == "active" },
-            )
+            wait_for_async(PATIENCE, "the new node takes over", || async {
+                status(node.http_addr).await["role"] == "active"
+            })
             .await;
         } else {
             assert!(!knows_old(&s), "the old node does not count: {s}");
             assert_eq!(s["role"], "active", "{s}");
             assert!(rejected(&s, "unauthenticated") > 0, "{s}");
+            leave.cancel();
             old.await.expect("legacy node");
         }
         drop(node);

@@ -12,7 +12,7 @@ use lapin::types::AMQPValue;
 use timeoutd::client::{self, Expectation};
 use uuid::Uuid;
 
-use crate::common::{Inbox, Proc, World, pg_url, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, Proc, World, pg_url, wait_for, wait_for_async};
 use crate::delayed::{headers, publish, publisher};
 
 /// The grants of SECURITY.md, for `schema`: (role kind, statements).
@@ -96,7 +96,7 @@ async fn a_daemon_and_a_process_manager_work_with_the_documented_grants_alone() 
     );
     drop(conn);
 
-    wait_for_async(Duration::from_secs(30), "the ingress consuming", || async {
+    wait_for_async(PATIENCE, "the ingress consuming", || async {
         let (_, body) = crate::http::get(node.http_addr, "/status").await;
         body.contains("\"consuming\":true")
     })
@@ -107,11 +107,9 @@ async fn a_daemon_and_a_process_manager_work_with_the_documented_grants_alone() 
         .with_headers(headers(vec![("x-delay", AMQPValue::LongLongInt(300))]));
     publish(&ch, &world.ingress(), "k", props, b"later").await;
 
-    wait_for(
-        Duration::from_secs(30),
-        "both TimeOuts and the delayed message",
-        || timeouts.len() == 2 && delayed.len() == 1,
-    )
+    wait_for(PATIENCE, "both TimeOuts and the delayed message", || {
+        timeouts.len() == 2 && delayed.len() == 1
+    })
     .await;
     let ids: Vec<String> = timeouts.all().iter().map(|r| r.message_id()).collect();
     assert!(ids.contains(&fired.to_string()) && ids.contains(&moved_id.to_string()));

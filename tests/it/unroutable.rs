@@ -1,9 +1,7 @@
-use std::time::Duration;
-
 use timeoutd::client::Expectation;
 use timeoutd::election::Role;
 
-use crate::common::{Inbox, World, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, World, wait_for, wait_for_async};
 
 /// In one batch: a routable row, one returned as unroutable (default exchange, no such
 /// queue), one for an exchange that does not exist. The good one fires; the bad ones
@@ -23,7 +21,7 @@ async fn unroutable_and_missing_exchange_rows_stay_with_attempts() {
         world.expect(e).await;
     }
     let node = world.start().await;
-    wait_for(Duration::from_secs(10), "good TimeOut", || inbox.len() == 1).await;
+    wait_for(PATIENCE, "good TimeOut", || inbox.len() == 1).await;
     assert_eq!(
         inbox.all()[0]
             .properties
@@ -32,7 +30,7 @@ async fn unroutable_and_missing_exchange_rows_stay_with_attempts() {
             .map(|s| s.to_string()),
         Some(good.id.to_string())
     );
-    wait_for_async(Duration::from_secs(10), "failures recorded", || async {
+    wait_for_async(PATIENCE, "failures recorded", || async {
         world
             .count("attempts >= 1 AND last_error IS NOT NULL")
             .await
