@@ -113,7 +113,11 @@ async fn a_daemon_and_a_process_manager_work_with_the_documented_grants_alone() 
     .await;
     let ids: Vec<String> = timeouts.all().iter().map(|r| r.message_id()).collect();
     assert!(ids.contains(&fired.to_string()) && ids.contains(&moved_id.to_string()));
-    assert_eq!(world.count("true").await, 0, "fired rows deleted");
+    // A TimeOut is delivered before its row's delete commits: wait for the commit.
+    wait_for_async(PATIENCE, "fired rows deleted", || async {
+        world.count("true").await == 0
+    })
+    .await;
     assert!(
         !node.logged("permission denied"),
         "the daemon needed a right the list lacks"
