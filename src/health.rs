@@ -70,8 +70,21 @@ pub struct Step<'a> {
 }
 
 impl Drop for Step<'_> {
+    /// A step given up while it hung (its future dropped: a batch abandoned at a stop
+    /// or a role change) did not pass: if it had been under way for `SLOW_STEP` and its
+    /// check has not passed since it began, the check stays failing since then, until
+    /// it passes. Otherwise a node cut off from Postgres would look fit again as soon
+    /// as its hung batch was dropped, rejoin and take the role back.
     fn drop(&mut self) {
-        self.health.lock().steps.retain(|(id, _, _)| *id != self.id);
+        let mut state = self.health.lock();
+        let Some(at) = state.steps.iter().position(|(id, _, _)| *id == self.id) else {
+            return;
+        };
+        let (_, check, since) = state.steps.remove(at);
+        let passed = state.passed[check.index()].is_some_and(|p| p >= since);
+        if !passed && since.elapsed() >= SLOW_STEP {
+            state.failing[check.index()].get_or_insert(since);
+        }
     }
 }
 
@@ -228,6 +241,32 @@ mod tests {
             "a step begun after the pass counts"
         );
         drop((slow, later));
+        assert_eq!(h.failing_since(), None);
+    }
+
+    /// Begun this long ago (the clock is not ours to move).
+    fn aged(h: &Health, step: &Step<'_>, by: Duration) {
+        let mut state = h.lock();
+        if let Some(s) = state.steps.iter_mut().find(|(id, _, _)| *id == step.id) {
+            s.2 -= by;
+        }
+    }
+
+    #[test]
+    fn a_hung_step_given_up_keeps_its_check_failing_until_it_passes() {
+        let h = Health::default();
+        let hung = h.step(Check::Postgres);
+        aged(&h, &hung, Duration::from_secs(5));
+        let since = h.failing_since().expect("under way");
+        drop(hung);
+        assert_eq!(h.failing_since(), Some(since), "given up, not passed");
+        h.pass(Check::Postgres);
+        assert_eq!(h.failing_since(), None);
+        // One that ended after its check passed meanwhile left nothing behind.
+        let slow = h.step(Check::Postgres);
+        aged(&h, &slow, Duration::from_secs(5));
+        h.pass(Check::Postgres);
+        drop(slow);
         assert_eq!(h.failing_since(), None);
     }
 }
