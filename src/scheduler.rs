@@ -628,15 +628,29 @@ async fn batch(
 
 fn record(shared: &Firing, outcome: &BatchOutcome, summary: &mut Summary) {
     shared.probe.update(|s| s.database_ok = Some(true));
+    // Stopping, a node hands its role over on purpose: rows it held are the next
+    // active node's, nothing an operator must look at.
+    let stopping = shared.stop.is_cancelled();
     if outcome.lease_lost && outcome.fired + outcome.failed == 0 {
-        tracing::warn!(locked = outcome.locked, "lease lost: batch rolled back");
+        if stopping {
+            tracing::info!(locked = outcome.locked, "stopping: batch rolled back");
+        } else {
+            tracing::warn!(locked = outcome.locked, "lease lost: batch rolled back");
+        }
         return;
     }
     if outcome.lease_lost {
-        tracing::warn!(
-            untouched = outcome.untouched,
-            "lease lost while rows were held: the rest left unsent"
-        );
+        if stopping {
+            tracing::info!(
+                untouched = outcome.untouched,
+                "stopping: the rows held and not yet due are left to the next active node"
+            );
+        } else {
+            tracing::warn!(
+                untouched = outcome.untouched,
+                "lease lost while rows were held: the rest left unsent"
+            );
+        }
     }
     if outcome.locked == 0 {
         return;
