@@ -54,17 +54,7 @@ struct BrokerLimit {
 }
 
 async fn eval(expr: &str) -> String {
-    let out = rabbitmqctl()
-        .args(["-q", "eval", expr])
-        .output()
-        .await
-        .expect("rabbitmqctl runs");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl eval {expr}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    crate::principals::ctl(&["eval", expr]).await
 }
 
 impl BrokerLimit {

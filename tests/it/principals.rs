@@ -113,8 +113,8 @@ impl Realm {
     }
 }
 
-/// One `rabbitmqctl` command that must succeed.
-pub async fn ctl(args: &[&str]) {
+/// One `rabbitmqctl` command that must succeed; what it printed.
+pub async fn ctl(args: &[&str]) -> String {
     let out = crate::common::rabbitmqctl()
         .arg("-q")
         .args(args)
@@ -126,6 +126,7 @@ pub async fn ctl(args: &[&str]) {
         "rabbitmqctl {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 /// The realm works as the trust tests assume: a user allowed to write to one exchange
