@@ -403,7 +403,13 @@ fn finished(
         }
         Err(e) => {
             let delay = backoff.next_delay();
-            tracing::error!(error = %Chain(&e), kind = kind.table().kind(), retry_in = ?delay, "scan failed");
+            if shared.stop.is_cancelled() {
+                // The stop closes the pools first: a batch begun at that instant finds
+                // its pool closed, which is the stop, not a failure.
+                tracing::debug!(error = %Chain(&e), kind = kind.table().kind(), "scan ended by the stop");
+            } else {
+                tracing::error!(error = %Chain(&e), kind = kind.table().kind(), retry_in = ?delay, "scan failed");
+            }
             shared.probe.update(|s| s.database_ok = Some(false));
             pacer.failed(index, lane, now, delay);
         }
