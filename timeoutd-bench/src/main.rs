@@ -27,14 +27,18 @@
 //!    `--scrape-flood-backlog` rows (100k) due in an hour in the table: lateness and the
 //!    share of probes answered 200 in both; `--only-scrape-flood` runs this
 //!    phase alone (daemon start, the two cases, stop), `--runs` times;
+//! 8. big neighbours (unless `--big-neighbours-secs 0`): a steady load of its own, once
+//!    alone and once with `--big-rate` rows a second of 256 KiB–2 MiB payloads due among
+//!    its rows (sent to a queue that keeps nothing): the ordinary rows' lateness in both;
+//!    `--only-big-neighbours` runs this phase alone, `--runs` times;
 //!    then idle RSS again, the daemon stopped (SIGTERM);
-//! 8. delayed messages (unless `--no-delayed`), with daemons of their own: ingest
+//! 9. delayed messages (unless `--no-delayed`), with daemons of their own: ingest
 //!    throughput (messages due in an hour published with confirms into the ingress, until
 //!    all are in `delayed_messages`) with 1 and 3 daemons, and the broker alone (a quorum
 //!    queue nobody consumes); steady delivery (`x-delay` 1500 ms, lateness = receipt −
 //!    publish − delay); a burst all due at one instant T0 (`x-timeoutd-deliver-at`,
 //!    stored before T0), T0 → last received, compared with the baseline publish;
-//! 9. idle scan: the daemon's due-row query run directly over tables of 10k/100k/1M rows
+//! 10. idle scan: the daemon's due-row query run directly over tables of 10k/100k/1M rows
 //!    that are not due (one schema each, made by the daemon's migrations), median of 200
 //!    runs per table taken round-robin, plus `EXPLAIN (ANALYZE, BUFFERS)`.
 //!
@@ -58,6 +62,7 @@ mod idle;
 mod idle_cost;
 mod insert;
 mod limit;
+mod neighbours;
 mod prelude;
 mod report;
 mod scrape;
@@ -78,6 +83,7 @@ pub(crate) use idle::*;
 pub(crate) use idle_cost::*;
 pub(crate) use insert::*;
 pub(crate) use limit::*;
+pub(crate) use neighbours::*;
 use prelude::*;
 pub(crate) use report::*;
 pub(crate) use scrape::*;
@@ -173,6 +179,22 @@ pub(crate) struct Args {
     /// Run only the scrape-flood phase (daemon start, quiet and flooded case, stop).
     #[arg(long)]
     pub(crate) only_scrape_flood: bool,
+    /// Duration of each case of the big-neighbours phase in seconds (0 skips it).
+    /// Default 15 (5 with --quick).
+    #[arg(long)]
+    pub(crate) big_neighbours_secs: Option<u64>,
+    /// Ordinary rows due per second during the big-neighbours phase.
+    #[arg(long, default_value_t = 200)]
+    pub(crate) big_neighbours_rate: u32,
+    /// Big rows due per second among them.
+    #[arg(long, default_value_t = 5)]
+    pub(crate) big_rate: u32,
+    /// The big rows' payload sizes, in KiB: from, to.
+    #[arg(long, value_delimiter = ',', default_values_t = [256, 2048])]
+    pub(crate) big_kib: Vec<usize>,
+    /// Run only the big-neighbours phase (daemon start, the two cases, stop).
+    #[arg(long)]
+    pub(crate) only_big_neighbours: bool,
     /// Directory for bench.json and bench.svg.
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
@@ -209,6 +231,18 @@ pub(crate) struct Plan {
     pub(crate) delayed: Option<DelayedPlan>,
     /// `None`: `--scrape-flood-secs 0`.
     pub(crate) scrape_flood: Option<FloodPlan>,
+    /// `None`: `--big-neighbours-secs 0`.
+    pub(crate) neighbours: Option<NeighboursPlan>,
+}
+
+/// The big-neighbours phase: each case's steady load, and the big rows among it.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct NeighboursPlan {
+    pub(crate) secs: u64,
+    pub(crate) rate: u32,
+    pub(crate) big_rate: u32,
+    pub(crate) min_bytes: usize,
+    pub(crate) max_bytes: usize,
 }
 
 /// The scrape-flood phase: each case's steady load, and how many scrapers flood.
@@ -265,6 +299,26 @@ impl Plan {
         if args.only_scrape_flood && scrape_flood.is_none() {
             bail!("--only-scrape-flood with --scrape-flood-secs 0: nothing to run");
         }
+        let neighbours_secs = args
+            .big_neighbours_secs
+            .unwrap_or(if args.quick { 5 } else { 15 });
+        let neighbours = match (neighbours_secs, args.big_kib.as_slice()) {
+            (0, _) => None,
+            (secs, &[min, max]) if min > 0 && min < max => Some(NeighboursPlan {
+                secs,
+                rate: args.big_neighbours_rate,
+                big_rate: args.big_rate,
+                min_bytes: min * 1024,
+                max_bytes: max * 1024,
+            }),
+            _ => bail!("--big-kib takes two sizes, from and to, 0 < from < to"),
+        };
+        if neighbours.is_some() && (args.big_neighbours_rate == 0 || args.big_rate == 0) {
+            bail!("--big-neighbours-rate and --big-rate must be greater than 0");
+        }
+        if args.only_big_neighbours && neighbours.is_none() {
+            bail!("--only-big-neighbours with --big-neighbours-secs 0: nothing to run");
+        }
         let plan = Self {
             quick: args.quick,
             burst,
@@ -278,6 +332,7 @@ impl Plan {
             scan_runs: args.scan_runs,
             delayed,
             scrape_flood,
+            neighbours,
         };
         if plan.burst == 0
             || plan.rates.is_empty()
@@ -298,7 +353,30 @@ pub(crate) async fn main() -> Result<()> {
     let daemon_bin = daemon_path(&args)?;
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
     if let (true, Some(flood)) = (args.only_scrape_flood, plan.scrape_flood) {
-        return only_scrape_flood(&args, flood, daemon_bin, runs).await;
+        let measure = async |env: &Env, daemon: &mut Daemon| scrape_flood(env, daemon, flood).await;
+        return only_phase(
+            &args,
+            daemon_bin,
+            runs,
+            "scrape flood",
+            measure,
+            flood_lines,
+            flood_measurements,
+        )
+        .await;
+    }
+    if let (true, Some(plan)) = (args.only_big_neighbours, plan.neighbours) {
+        let measure = async |env: &Env, daemon: &mut Daemon| big_neighbours(env, daemon, plan).await;
+        return only_phase(
+            &args,
+            daemon_bin,
+            runs,
+            "big neighbours",
+            measure,
+            neighbours_lines,
+            neighbours_measurements,
+        )
+        .await;
     }
     let mut reports = Vec::new();
     for n in 1..=runs {
@@ -328,44 +406,47 @@ fn write_summary(out: &Path, summary: &[Summed], runs: usize) -> Result<()> {
     Ok(())
 }
 
-/// `--only-scrape-flood`: the scrape-flood phase alone, `runs` times, each in a fresh
-/// environment with a fresh daemon.
-async fn only_scrape_flood(
+/// `--only-…`: one phase alone, `runs` times, each in a fresh environment with a fresh
+/// daemon: its lines printed, its result in `<out>/run-N/<name>.json`, the summary of the
+/// runs in `<out>`.
+async fn only_phase<T: Serialize>(
     args: &Args,
-    plan: FloodPlan,
     daemon_bin: PathBuf,
     runs: usize,
+    name: &str,
+    measure: impl AsyncFn(&Env, &mut Daemon) -> Result<T>,
+    lines: fn(&T) -> Vec<Line>,
+    measurements: fn(&T) -> Vec<Measurement>,
 ) -> Result<()> {
     let mut per_run = Vec::new();
     for n in 1..=runs {
         println!("== run {n} of {runs}");
         let env = Env::setup(args, daemon_bin.clone()).await?;
         println!("timeoutd-bench: schema {}, group {}", env.schema, env.group);
+        let alone = async {
+            let mut daemon = phase("daemon start", Daemon::start(&env)).await?;
+            let result = phase(name, measure(&env, &mut daemon)).await?;
+            daemon.stop().await?;
+            Ok(result)
+        };
         let outcome = tokio::select! {
-            r = flood_run(&env, plan) => r,
+            r = alone => r,
             _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
         };
         env.cleanup().await;
-        let flood = outcome?;
-        for l in flood_lines(&flood) {
+        let result = outcome?;
+        for l in lines(&result) {
             println!("{:<70} {:<60} {}", l.measurement, l.result, verdict(l.pass));
         }
         let dir = args.out.join(format!("run-{n}"));
         std::fs::create_dir_all(&dir)?;
         std::fs::write(
-            dir.join("scrape-flood.json"),
-            serde_json::to_vec_pretty(&flood)?,
+            dir.join(format!("{}.json", name.replace(' ', "-"))),
+            serde_json::to_vec_pretty(&result)?,
         )?;
-        per_run.push(flood_measurements(&flood));
+        per_run.push(measurements(&result));
     }
     write_summary(&args.out, &summarize_runs(&per_run), runs)
-}
-
-async fn flood_run(env: &Env, plan: FloodPlan) -> Result<ScrapeFlood> {
-    let mut daemon = phase("daemon start", Daemon::start(env)).await?;
-    let flood = phase("scrape flood", scrape_flood(env, &mut daemon, plan)).await?;
-    daemon.stop().await?;
-    Ok(flood)
 }
 
 /// One run in fresh tables, a fresh group and a fresh queue, removed afterwards.
@@ -439,6 +520,10 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         Some(f) => Some(phase("scrape flood", scrape_flood(env, &mut daemon, f)).await?),
         None => None,
     };
+    let neighbours = match plan.neighbours {
+        Some(n) => Some(phase("big neighbours", big_neighbours(env, &mut daemon, n)).await?),
+        None => None,
+    };
     let catch_up = match plan.catch_up {
         0 => None,
         n => {
@@ -475,6 +560,7 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
         burst,
         steady_runs,
         scrape_flood,
+        neighbours,
         catch_up,
         delayed,
         idle_cost,

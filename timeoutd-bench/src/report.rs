@@ -64,6 +64,8 @@ pub(crate) struct Report {
     pub(crate) steady: Vec<Steady>,
     /// `None` with `--scrape-flood-secs 0`.
     pub(crate) scrape_flood: Option<ScrapeFlood>,
+    /// `None` with `--big-neighbours-secs 0`.
+    pub(crate) neighbours: Option<BigNeighbours>,
     /// `None` with `--catch-up 0`.
     pub(crate) catch_up: Option<CatchUp>,
     /// `None` with `--idle-secs 0`.
@@ -88,6 +90,7 @@ impl Report {
         burst: Burst,
         steady: Vec<Steady>,
         scrape_flood: Option<ScrapeFlood>,
+        neighbours: Option<BigNeighbours>,
         catch_up: Option<CatchUp>,
         delayed: Option<Delayed>,
         idle_cost: Option<IdleCost>,
@@ -120,6 +123,7 @@ impl Report {
             burst,
             steady,
             scrape_flood,
+            neighbours,
             catch_up,
             idle_cost,
             delayed,
@@ -144,6 +148,9 @@ impl Report {
         }
         if let Some(f) = &self.scrape_flood {
             lines.extend(flood_lines(f));
+        }
+        if let Some(n) = &self.neighbours {
+            lines.extend(neighbours_lines(n));
         }
         if let Some(c) = &self.catch_up {
             lines.extend(catch_up_lines(c, self.limit.best.msgs_per_sec));

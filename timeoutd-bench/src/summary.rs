@@ -210,6 +210,9 @@ fn measurements(r: &Report) -> Vec<Measurement> {
     if let Some(f) = &r.scrape_flood {
         m.extend(flood_measurements(f));
     }
+    if let Some(n) = &r.neighbours {
+        m.extend(neighbours_measurements(n));
+    }
     if let Some(d) = &r.delayed {
         m.extend(delayed_measurements(d, publish));
     }
