@@ -50,10 +50,9 @@ fn code(cell: &str) -> Option<&str> {
 
 /// `key` → default, from the reference's table rows whose first cell is a `key`.
 fn documented() -> Vec<(String, String)> {
-    let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(REFERENCE),
-    )
-    .expect("the configuration reference exists");
+    let text =
+        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(REFERENCE))
+            .expect("the configuration reference exists");
     let mut rows = Vec::new();
     for line in text.lines() {
         let cells: Vec<&str> = line.trim().trim_matches('|').split('|').collect();
