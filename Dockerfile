@@ -12,8 +12,9 @@ WORKDIR /build
 
 # 1. Dependencies only: build a dummy crate with the real manifest and lock
 #    file, so this (slow) layer is cached until Cargo.toml/Cargo.lock change.
-#    The example consumer (the compose demo's `timeoutd-consume`) is built
-#    too; examples may use dev-dependencies, so they are compiled here as well.
+#    The examples the compose demo runs (`timeoutd-consume`, `timeoutd-delay`)
+#    are built too; examples may use dev-dependencies, so they are compiled here
+#    as well.
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY timeoutd-client/Cargo.toml timeoutd-client/
 COPY timeoutd-bench/Cargo.toml timeoutd-bench/
@@ -24,12 +25,14 @@ RUN mkdir -p src examples migrations config timeoutd-client/src timeoutd-bench/s
     timeoutd-sim/src/bin \
  && echo 'fn main() {}' > src/main.rs \
  && echo 'fn main() {}' > examples/consume.rs \
+ && echo 'fn main() {}' > examples/delay.rs \
  && : > src/lib.rs \
  && : > timeoutd-client/src/lib.rs \
  && echo 'fn main() {}' > timeoutd-bench/src/main.rs \
  && : > timeoutd-sim/src/lib.rs \
  && echo 'fn main() {}' > timeoutd-sim/src/bin/election-sim.rs \
  && cargo build --release --locked -p timeoutd --bin timeoutd --example consume \
+      --example delay \
  && rm -rf src examples timeoutd-client/src
 
 # 2. The real sources. COPY keeps the files' original mtimes, which may be
@@ -40,9 +43,12 @@ COPY timeoutd-client/src/ timeoutd-client/src/
 COPY examples/ examples/
 COPY migrations/ migrations/
 COPY config/ config/
-RUN touch src/main.rs src/lib.rs build.rs examples/consume.rs timeoutd-client/src/lib.rs \
+RUN touch src/main.rs src/lib.rs build.rs examples/consume.rs examples/delay.rs \
+      timeoutd-client/src/lib.rs \
  && cargo build --release --locked -p timeoutd --bin timeoutd --example consume \
- && strip target/release/timeoutd target/release/examples/consume
+      --example delay \
+ && strip target/release/timeoutd target/release/examples/consume \
+      target/release/examples/delay
 
 # ---------------------------------------------------------------------------
 # Runtime
@@ -67,8 +73,10 @@ RUN apt-get update \
     fi
 
 COPY --from=builder /build/target/release/timeoutd /usr/local/bin/timeoutd
-# Demo only: prints the TimeOuts arriving on a queue (examples/consume.rs).
+# Demo only: prints the messages arriving on a queue (examples/consume.rs), and
+# publishes a delayed message (examples/delay.rs).
 COPY --from=builder /build/target/release/examples/consume /usr/local/bin/timeoutd-consume
+COPY --from=builder /build/target/release/examples/delay /usr/local/bin/timeoutd-delay
 COPY --from=builder /build/config/default.toml /etc/timeoutd/default.toml
 
 # Listen on all interfaces inside the container: the built-in default is loopback

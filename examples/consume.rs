@@ -1,16 +1,19 @@
-//! Print TimeOut messages as they arrive: a stand-in for a process manager's handler.
+//! Print TimeOut messages and delayed messages as they arrive: a stand-in for a process
+//! manager's handler.
 //!
 //! cargo run --example consume -- [QUEUE] [EXCHANGE] [BINDING_KEY]
 //!
 //! Declares the durable queue QUEUE (default `demo.timeouts`); with EXCHANGE, also a topic
-//! exchange bound to the queue with BINDING_KEY (default `#`). The AMQP URL comes from
-//! TIMEOUTD__AMQP__URL (default: local guest).
+//! exchange bound to the queue with BINDING_KEY (default `#`), e.g. `timeoutd.delayed`
+//! for delayed messages. The AMQP URL comes from TIMEOUTD__AMQP__URL (default: local
+//! guest). A delayed message's line ends with `delayed_ms=…`, the header
+//! `x-timeoutd-delayed-ms` timeoutd adds.
 
 use futures_util::StreamExt;
 use lapin::options::{
     BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
 #[tokio::main]
@@ -56,18 +59,41 @@ async fn main() -> anyhow::Result<()> {
     let mut consumer = ch
         .basic_consume(queue.into(), "".into(), opts, FieldTable::default())
         .await?;
-    eprintln!("waiting for TimeOuts on queue {queue:?} (Ctrl-C to stop)");
+    eprintln!("waiting for messages on queue {queue:?} (Ctrl-C to stop)");
     while let Some(delivery) = consumer.next().await {
         let d = delivery?;
         let p = &d.properties;
+        let delayed_ms = p
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get("x-timeoutd-delayed-ms"))
+            .and_then(integer)
+            .map(|ms| format!(" delayed_ms={ms}"))
+            .unwrap_or_default();
         println!(
-            "{} type={:?} message_id={:?} correlation_id={:?} body={}",
+            "{} routing_key={} type={:?} message_id={:?} correlation_id={:?} body={}{}",
             chrono::Utc::now().to_rfc3339(),
+            d.routing_key,
             p.kind().as_ref().map(|s| s.as_str()),
             p.message_id().as_ref().map(|s| s.as_str()),
             p.correlation_id().as_ref().map(|s| s.as_str()),
-            String::from_utf8_lossy(&d.data)
+            String::from_utf8_lossy(&d.data),
+            delayed_ms,
         );
     }
     Ok(())
+}
+
+/// An AMQP integer header, whatever its width.
+fn integer(v: &AMQPValue) -> Option<i64> {
+    match v {
+        AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortShortUInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortUInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongUInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongLongInt(n) => Some(*n),
+        _ => None,
+    }
 }

@@ -413,7 +413,11 @@ fn demo_consumer_reads_the_demo_queue() {
     let entrypoint = at(&consumer, &["entrypoint"]).as_sequence();
     let program = entrypoint.and_then(|e| e.first()).and_then(Value::as_str);
     assert_eq!(program, Some("timeoutd-consume"));
-    assert_eq!(command_of(&consumer), DEMO_QUEUE);
+    // The demo queue, bound to where the replicas deliver delayed messages.
+    assert_eq!(
+        command_of(&consumer),
+        format!("{DEMO_QUEUE} timeoutd.delayed demo.#")
+    );
     assert_eq!(depends_condition(&consumer, "rabbitmq"), "service_healthy");
 }
 
