@@ -1,4 +1,4 @@
-//! Delayed messages (README "Delayed messages"): ingest throughput with one daemon, with
+//! Delayed messages (docs/integrating/delayed-messages.md): ingest throughput with one daemon, with
 //! several, and of the broker alone; steady delivery lateness; a burst due at one
 //! instant. Runs after the main daemon stopped: each part starts daemons of its own (same
 //! schema and group) and, when done, stops them, deletes its queues and the group's

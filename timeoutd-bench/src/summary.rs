@@ -287,7 +287,7 @@ pub(crate) fn summarize_runs(per_run: &[Vec<Measurement>]) -> Vec<Summed> {
         .collect()
 }
 
-/// The summary as a Markdown table (what the README pastes).
+/// The summary as a Markdown table (what docs/performance.md pastes).
 pub(crate) fn summary_table(rows: &[Summed], runs: usize) -> String {
     let mut out = format!(
         "| measurement | median (min–max) of {runs} run(s) | target | |\n|---|---|---|---|\n"

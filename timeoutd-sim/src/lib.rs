@@ -6,8 +6,8 @@
 //! delays every delivery (a base plus uniform jitter, so messages reorder), loses and
 //! duplicates some; scenarios crash, pause, partition and restart nodes; an attacker
 //! may forge and replay announcements, which every node judges with the daemon's own
-//! [`timeoutd::admission`]. [`measure`] turns the run into the numbers of the README
-//! table.
+//! [`timeoutd::admission`]. [`measure`] turns the run into the numbers of the table in
+//! docs/design/simulator.md.
 
 pub mod measure;
 pub mod net;

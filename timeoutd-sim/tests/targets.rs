@@ -123,7 +123,7 @@ fn a_rolling_deploy_from_old_to_new_nodes_keeps_one_active_node() {
     assert!(mixed.zero_active_fraction < 0.01, "{mixed:?}");
     // Two active only while a lower node's announcement travels, or for one interval
     // when it is lost. (Measured: more such stretches than with old nodes only, see
-    // the README; bounded here, not hidden.)
+    // docs/design/simulator.md; bounded here, not hidden.)
     assert!(mixed.longest_multi_active_s <= 1.1, "{mixed:?}");
     assert!(mixed.multi_active_fraction < 0.01, "{mixed:?}");
 }
