@@ -279,16 +279,16 @@ fn ser_opt_dur<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok
     }
 }
 
+/// A key's value from the other keys.
+type Derive = fn(&config::Config) -> Result<u32, config::ConfigError>;
+
 /// The most batches `scan.concurrency` allows.
 pub(crate) const MAX_CONCURRENCY: u32 = 16;
 
 /// Keys whose default follows another key's value, so that no default ever makes a
 /// valid value of another key invalid: (key, its value from the other keys). Left ""
 /// (the shipped default), a key gets that value; set, it is checked as usual.
-const DERIVED: [(
-    &str,
-    fn(&config::Config) -> Result<u32, config::ConfigError>,
-); 2] = [
+const DERIVED: [(&str, Derive); 2] = [
     // One batch kept for fresh rows, when there is one to spare for the backlog.
     ("scan.fresh_slots", |c| {
         Ok(u32::from(c.get::<u32>("scan.concurrency")? > 1))
