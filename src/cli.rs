@@ -31,7 +31,8 @@ pub enum Command {
     CheckConfig,
     /// Register one expectation (for trying things out and for scripts).
     Expect(ExpectArgs),
-    /// Watch the group: who is there, who is active, last seen, announcement lag.
+    /// Watch the group: who is there, who is active, last seen, announcement lag (exit 6
+    /// with --once when no member answered).
     Members(MembersArgs),
     /// Count and peek at expectations and delayed messages (never changes them).
     Pending(PendingArgs),
@@ -52,19 +53,22 @@ pub struct CancelArgs {
 
 #[derive(Debug, Args)]
 pub struct ExpectArgs {
+    /// The process instance that waits; the TimeOut carries it as its correlation_id.
     #[arg(long)]
     pub process_id: String,
+    /// The message the process waits for; the TimeOut names it.
     #[arg(long)]
     pub message_type: String,
+    /// Routing key the TimeOut is published with (the process' timeout handler).
     #[arg(long)]
     pub routing_key: String,
     /// Exchange the TimeOut goes to ("" = the default exchange).
     #[arg(long, default_value = "")]
     pub exchange: String,
-    /// Deadline relative to now, e.g. 5s, 2m.
+    /// Deadline relative to now, e.g. 5s, 2m (neither --in nor --at: now).
     #[arg(long = "in", value_parser = humantime::parse_duration, conflicts_with = "at")]
     pub in_: Option<Duration>,
-    /// Absolute deadline, RFC 3339.
+    /// Absolute deadline, RFC 3339 (e.g. 2030-01-01T12:00:00Z).
     #[arg(long)]
     pub at: Option<DateTime<Utc>>,
     /// JSON context echoed back in the TimeOut.
@@ -74,7 +78,7 @@ pub struct ExpectArgs {
 
 #[derive(Debug, Args)]
 pub struct MembersArgs {
-    /// Print one snapshot and exit.
+    /// Print one snapshot and exit (exit 6 when no member answered).
     #[arg(long)]
     pub once: bool,
     /// JSON instead of a table.
@@ -100,4 +104,30 @@ pub struct PendingArgs {
 
 fn parse_json(s: &str) -> Result<serde_json::Value, String> {
     serde_json::from_str(s).map_err(|e| format!("not valid JSON: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// `timeoutd <command> --help` describes every flag and every command.
+    #[test]
+    fn every_command_and_flag_has_help() {
+        let cli = Cli::command();
+        cli.clone().debug_assert();
+        for cmd in cli.get_subcommands() {
+            let name = cmd.get_name();
+            assert!(cmd.get_about().is_some(), "{name} has no description");
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if matches!(id, "help" | "version") {
+                    continue;
+                }
+                let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+                assert!(!help.trim().is_empty(), "{name} --{id} has no help text");
+            }
+        }
+    }
 }

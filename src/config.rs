@@ -279,6 +279,39 @@ fn ser_opt_dur<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok
     }
 }
 
+/// A key's value from the other keys.
+type Derive = fn(&config::Config) -> Result<u32, config::ConfigError>;
+
+/// The most batches `scan.concurrency` allows.
+pub(crate) const MAX_CONCURRENCY: u32 = 16;
+
+/// Keys whose default follows another key's value, so that no default ever makes a
+/// valid value of another key invalid: (key, its value from the other keys). Left ""
+/// (the shipped default), a key gets that value; set, it is checked as usual.
+const DERIVED: [(&str, Derive); 2] = [
+    // One batch kept for fresh rows, when there is one to spare for the backlog.
+    ("scan.fresh_slots", |c| {
+        Ok(u32::from(c.get::<u32>("scan.concurrency")? > 1))
+    }),
+    // The batches, the LISTEN connection, the probes and room for the ingress; never
+    // fewer than the 8 earlier versions shipped with.
+    ("postgres.max_connections", |c| {
+        Ok(c.get::<u32>("scan.concurrency")?.saturating_add(4).max(8))
+    }),
+];
+
+/// `layered` with every [`DERIVED`] key left "" replaced by its derived value.
+fn derive_defaults(layered: config::Config) -> Result<config::Config, config::ConfigError> {
+    let mut resolved = config::Config::builder().add_source(layered.clone());
+    for (key, derive) in DERIVED {
+        let unset = layered.get_string(key).is_ok_and(|v| v.trim().is_empty());
+        if unset {
+            resolved = resolved.set_override(key, derive(&layered)?)?;
+        }
+    }
+    resolved.build()
+}
+
 /// "" is how the contract spells "unset", both ways.
 fn ser_opt_path<S: serde::Serializer>(p: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(
@@ -316,15 +349,15 @@ impl Settings {
         if let Some(path) = file {
             builder = builder.add_source(config::File::from(path).required(true));
         }
-        let settings: Settings = builder
+        let layered = builder
             .add_source(
                 config::Environment::with_prefix("TIMEOUTD")
                     .prefix_separator("__")
                     .separator("__")
                     .source(Some(env)),
             )
-            .build()?
-            .try_deserialize()?;
+            .build()?;
+        let settings: Settings = derive_defaults(layered)?.try_deserialize()?;
         settings.validate()?;
         Ok(settings)
     }
@@ -358,7 +391,12 @@ impl Settings {
         // over within member_ttl + tick, as with every node announcing.
         check_range("election.announcers", self.election.announcers, 2, 100)?;
         check_range("scan.batch_size", self.scan.batch_size, 1, 10_000)?;
-        check_range("scan.concurrency", self.scan.concurrency, 1, 16)?;
+        check_range(
+            "scan.concurrency",
+            self.scan.concurrency,
+            1,
+            MAX_CONCURRENCY,
+        )?;
         if self.scan.fresh_slots >= self.scan.concurrency {
             return Err(ConfigError::invalid(
                 "scan.fresh_slots",

@@ -1,9 +1,13 @@
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
+use timeoutd::cli::Cli;
 
 fn main() -> ExitCode {
-    let cli = timeoutd::cli::Cli::parse();
+    let matches = Cli::command()
+        .after_help(timeoutd::commands::exit_codes_help())
+        .get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

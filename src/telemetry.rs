@@ -35,15 +35,24 @@ const SECRET_CAPS: [(&str, LevelFilter); 4] = [
     ("sqlx_postgres::options::pgpass", LevelFilter::ERROR),
 ];
 
+/// Libraries that log the failures they also return: a command that is not the daemon
+/// prints the error it gets once (`error: …`), so their lines are left out.
+const ECHOING: [&str; 2] = ["lapin", "amq_protocol"];
+
 /// Install the global subscriber (once; later calls are ignored, which suits tests).
-pub fn init(format: LogFormat) {
+/// `daemon`: `timeoutd run`, which logs what its libraries say; the other commands
+/// leave out [`ECHOING`].
+pub fn init(format: LogFormat, daemon: bool) {
     let asked =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn"));
     // Both must let an event through: a directive of the user's for a narrower target
     // (`lapin::io_loop=trace`) cannot lift a cap.
     let caps = Targets::new()
         .with_default(LevelFilter::TRACE)
-        .with_targets(SECRET_CAPS);
+        .with_targets(SECRET_CAPS.map(|(target, cap)| {
+            let echoes = !daemon && ECHOING.contains(&target);
+            (target, if echoes { LevelFilter::OFF } else { cap })
+        }));
     let layer = tracing_subscriber::fmt::layer();
     let layer = match format {
         LogFormat::Json => layer
@@ -183,19 +192,44 @@ impl<W: Write> Write for EscapingWriter<W> {
     }
 }
 
-/// An error with its causes, each once (`error: cause: cause`), for log fields: the
-/// error types here keep their cause in `source()`, not in their own text.
+/// An error with its causes, each once (`error: cause: cause`), for log lines and the
+/// commands' `error:` line. Our own error types keep their cause in `source()`, not in
+/// their text; some libraries' do both (sqlx's "error returned from database: {0}",
+/// lapin's "IO error: {0}"): a cause whose text the error above it already holds is not
+/// printed again. A database error is its message and SQLSTATE, without the line of the
+/// Postgres source file that raised it ("at line 1371").
 pub(crate) struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
 
 impl std::fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut cause = self.0.source();
-        while let Some(e) = cause {
-            write!(f, ": {e}")?;
-            cause = e.source();
+        let mut above: Option<String> = None;
+        let mut next = Some(self.0);
+        let mut first = true;
+        while let Some(e) = next {
+            let text = e.to_string();
+            let (shown, last) = match e.downcast_ref::<sqlx::Error>() {
+                Some(sqlx::Error::Database(db)) => (database_error(db.as_ref()), true),
+                _ => (text.clone(), false),
+            };
+            if !above.as_deref().is_some_and(|a| a.contains(&text)) {
+                if !first {
+                    f.write_str(": ")?;
+                }
+                f.write_str(&shown)?;
+                first = false;
+            }
+            above = Some(text);
+            next = if last { None } else { e.source() };
         }
         Ok(())
+    }
+}
+
+/// What the database said, and its SQLSTATE for looking it up.
+fn database_error(db: &dyn sqlx::error::DatabaseError) -> String {
+    match db.code() {
+        Some(code) => format!("{} (SQLSTATE {code})", db.message()),
+        None => db.message().to_owned(),
     }
 }
 
@@ -249,6 +283,30 @@ mod tests {
         };
         let text = Chain(&scan).to_string();
         assert_eq!(text.matches("no answer").count(), 1, "{text}");
+    }
+
+    /// A library error whose text already holds its source's (as sqlx's and lapin's do).
+    #[derive(Debug, thiserror::Error)]
+    #[error("IO error: {0}")]
+    struct Echoing(#[source] std::io::Error);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("connecting to RabbitMQ")]
+    struct Outer(#[source] Echoing);
+
+    #[test]
+    fn a_cause_already_in_the_text_above_is_not_repeated() {
+        let io = || std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let e = Outer(Echoing(io()));
+        assert_eq!(
+            Chain(&e).to_string(),
+            "connecting to RabbitMQ: IO error: refused"
+        );
+        let e = anyhow::Error::new(Echoing(io())).context("members");
+        assert_eq!(Chain(&*e).to_string(), "members: IO error: refused");
+        let e = anyhow::Error::new(sqlx::Error::Io(io())).context("counting");
+        let text = Chain(&*e).to_string();
+        assert_eq!(text.matches("refused").count(), 1, "{text}");
     }
 
     #[test]

@@ -18,28 +18,27 @@ const NETWORK_POLICY: &str = "deploy/kubernetes/networkpolicy.yaml";
 const ALERTS: &str = "deploy/prometheus/alerts.yaml";
 const DASHBOARD: &str = "deploy/grafana/timeoutd.json";
 
-/// Every metric timeoutd exports (histograms by their base name). Every metric has
-/// the labels `group` and `node_id`.
-const METRICS: [&str; 18] = [
-    "timeoutd_active",
-    "timeoutd_candidate",
-    "timeoutd_rows_parked_total",
-    "timeoutd_members",
-    "timeoutd_role_changes_total",
-    "timeoutd_timeouts_fired_total",
-    "timeoutd_publish_failures_total",
-    "timeoutd_scan_duration_seconds",
-    "timeoutd_fire_lateness_seconds",
-    "timeoutd_pending_total",
-    "timeoutd_pending_due",
-    "timeoutd_pending_overdue",
-    "timeoutd_pending_failing",
-    "timeoutd_announcements_sent_total",
-    "timeoutd_announcements_received_total",
-    "timeoutd_announcements_rejected_total",
-    "timeoutd_amqp_connected",
-    "timeoutd_postgres_connected",
-];
+/// The metrics reference, which a unit test (src/metrics/tests.rs) holds to what
+/// `/metrics` exports.
+const METRICS_DOC: &str = "docs/operating/metrics.md";
+const ALERTS_TEST: &str = "deploy/prometheus/alerts_test.yaml";
+const RUNBOOKS: &str = "docs/operating/alerts.md";
+
+/// Every metric timeoutd exports (histograms by their base name), from the first column
+/// of the reference table of docs/operating/metrics.md.
+fn metrics() -> BTreeSet<String> {
+    let names: BTreeSet<String> = read(METRICS_DOC)
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `timeoutd_"))
+        .filter_map(|l| l.split_once('`'))
+        .map(|(name, _)| format!("timeoutd_{name}"))
+        .collect();
+    assert!(
+        names.len() > 20,
+        "{METRICS_DOC}: no reference table? {names:?}"
+    );
+    names
+}
 const HISTOGRAM_SUFFIXES: [&str; 3] = ["_bucket", "_sum", "_count"];
 const REQUIRED_ALERTS: [&str; 6] = [
     "TimeoutdForeignAnnouncements",
@@ -105,9 +104,10 @@ fn assert_known_metrics(origin: &str, expr: &str) -> BTreeSet<String> {
         !used.is_empty(),
         "{origin}: {expr:?} uses no timeoutd metric"
     );
+    let known = metrics();
     for name in &used {
         assert!(
-            METRICS.contains(&name.as_str()),
+            known.contains(name),
             "{origin}: {expr:?} uses {name}, which timeoutd does not export"
         );
     }
@@ -298,6 +298,57 @@ fn alerts_cover_the_failure_modes() {
     }
 }
 
+/// Every alert fires in at least one `promtool test rules` case (which `.ci/promtool`
+/// runs), and docs/operating/alerts.md has a runbook section for it.
+#[test]
+fn every_alert_has_a_promtool_test_and_a_runbook() {
+    let tests: Value =
+        serde_yaml::from_str(&read(ALERTS_TEST)).expect("alerts_test.yaml is not YAML");
+    let mut fired = BTreeSet::new();
+    for test in at(&tests, &["tests"]).as_sequence().expect("tests list") {
+        for case in at(test, &["alert_rule_test"]).as_sequence().expect("cases") {
+            let expected = at(case, &["exp_alerts"]).as_sequence().expect("exp_alerts");
+            if !expected.is_empty() {
+                fired.insert(str_at(case, &["alertname"]).to_owned());
+            }
+        }
+    }
+    let runbooks = read(RUNBOOKS);
+    for rule in alert_rules() {
+        let name = str_at(&rule, &["alert"]);
+        assert!(
+            fired.contains(name),
+            "{ALERTS_TEST}: no test where {name} fires"
+        );
+        assert!(
+            runbooks.lines().any(|l| l == format!("## {name}")),
+            "{RUNBOOKS}: no section `## {name}`"
+        );
+    }
+}
+
+/// Series are by `instance` (stable across restarts), never by `node_id` (new at every
+/// start), but in `timeoutd_node_info`.
+#[test]
+fn queries_never_group_by_node_id() {
+    let rules = alert_rules();
+    let alert_exprs = rules.iter().map(|r| str_at(r, &["expr"]).to_owned());
+    let panel_exprs = panels(&dashboard()).into_iter().flat_map(|p| {
+        p["targets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t["expr"].as_str().map(str::to_owned))
+            .collect::<Vec<_>>()
+    });
+    for expr in alert_exprs.chain(panel_exprs) {
+        assert!(
+            !expr.contains("node_id") || expr.contains("timeoutd_node_info"),
+            "{expr}"
+        );
+    }
+}
+
 #[test]
 fn alert_exprs_use_known_metrics() {
     for rule in alert_rules() {
@@ -366,7 +417,10 @@ fn dashboard_queries_use_known_metrics_and_show_them_all() {
             shown.extend(assert_known_metrics(&format!("{DASHBOARD}: {title}"), expr));
         }
     }
-    let missing: Vec<_> = METRICS.iter().filter(|m| !shown.contains(**m)).collect();
+    let missing: Vec<_> = metrics()
+        .into_iter()
+        .filter(|m| !shown.contains(m))
+        .collect();
     assert!(missing.is_empty(), "no panel shows {missing:?}");
 }
 

@@ -16,6 +16,7 @@ use chrono::Utc;
 use serde::Serialize;
 use uuid::Uuid;
 
+use super::EXIT_NOBODY;
 use crate::admission::{Admission, Policy, RejectedCount};
 use crate::bus::Bus;
 use crate::cli::MembersArgs;
@@ -52,13 +53,18 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
     let mut next_print = Instant::now() + refresh.mul_f32(1.5);
     // Half a ttl, so an answer lost now and then does not drop a quiet member.
     let mut next_probe = Instant::now() + ttl / 2;
+    let mut heard_nobody = false;
     loop {
         let wait = next_print.saturating_duration_since(Instant::now());
         tokio::select! {
             _ = tokio::signal::ctrl_c() => break,
             _ = tokio::time::sleep(wait) => {
-                print(&view(&seen, ttl), admission.rejected(), args.json)?;
-                if args.once { break }
+                let members = view(&seen, ttl);
+                print(&members, admission.rejected(), args.json)?;
+                if args.once {
+                    heard_nobody = members.is_empty();
+                    break;
+                }
                 next_print = Instant::now() + refresh;
                 if Instant::now() >= next_probe {
                     probe(&bus, &admission, me, &mut seq, ttl).await?;
@@ -79,6 +85,14 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
     }
     // The watcher is done either way: a broker that does not answer the close drops it.
     let _ = bus.close().await;
+    if heard_nobody {
+        eprintln!(
+            "no member of group {} answered (is a daemon running with the same amqp.url, \
+             amqp.announce_exchange and election.group?)",
+            Shown(group)
+        );
+        return Ok(ExitCode::from(EXIT_NOBODY));
+    }
     Ok(ExitCode::SUCCESS)
 }
 

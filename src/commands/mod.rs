@@ -1,5 +1,6 @@
 //! One function per command of the contract; `main` only parses and dispatches.
 
+mod hint;
 mod members;
 mod pending;
 mod run;
@@ -12,7 +13,7 @@ use crate::cli::{Cli, Command, ExpectArgs};
 use crate::client::{self, Expectation};
 use crate::config::{ConfigError, Settings};
 use crate::store::Store;
-use crate::telemetry::{self, Shown, Spelling, escape};
+use crate::telemetry::{self, Chain, Shown, Spelling, escape};
 
 /// Exit code of a refused configuration.
 pub const EXIT_CONFIG: u8 = 2;
@@ -24,15 +25,54 @@ pub const EXIT_NOT_PENDING: u8 = 4;
 /// Exit code of `run` when the stop gave up on something it waits for (a batch in flight,
 /// the `leaving` announcement, closing a connection) because a peer did not answer in time.
 pub const EXIT_ABANDONED: u8 = 5;
+/// Exit code of `members --once` when no member answered (none running in the group,
+/// or they cannot be heard: another vhost, exchange or group name).
+pub const EXIT_NOBODY: u8 = 6;
+
+/// Every exit code and what it means, as `timeoutd --help` shows them.
+pub const EXIT_CODES: [(u8, &str); 7] = [
+    (0, "done; `run`: stopped on SIGTERM/SIGINT"),
+    (
+        1,
+        "failed (the error is printed on stderr, with a hint for common mistakes)",
+    ),
+    (
+        EXIT_CONFIG,
+        "invalid configuration (the message names the key) or command line",
+    ),
+    (
+        EXIT_LAGGING,
+        "`run`: lagged for longer than election.max_lag_exit; restart it",
+    ),
+    (
+        EXIT_NOT_PENDING,
+        "`cancel`: no such delayed message is pending",
+    ),
+    (
+        EXIT_ABANDONED,
+        "`run`: the stop gave up on what a peer did not answer within shutdown.grace",
+    ),
+    (EXIT_NOBODY, "`members --once`: no member answered"),
+];
+
+/// The exit codes as help text.
+pub fn exit_codes_help() -> String {
+    EXIT_CODES
+        .iter()
+        .fold(String::from("Exit codes:\n"), |text, (code, meaning)| {
+            text + &format!("  {code}  {meaning}\n")
+        })
+}
 
 pub async fn dispatch(cli: Cli) -> ExitCode {
     let settings = match Settings::load(cli.config.as_deref()) {
         Ok(s) => s,
         Err(e) => return config_error(&e),
     };
-    telemetry::init(settings.log.format);
+    let daemon = matches!(cli.command, Command::Run);
+    telemetry::init(settings.log.format, daemon);
     let result = match cli.command {
-        Command::Run => run::run(settings).await,
+        Command::Run => run::run(settings.clone()).await,
         Command::Migrate => migrate(&settings).await,
         Command::CheckConfig => check_config(&settings),
         Command::Expect(args) => expect(&settings, args).await,
@@ -43,10 +83,26 @@ pub async fn dispatch(cli: Cli) -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("error: {}", Shown(&format!("{e:#}")));
+            report(&e, hint::hint(&e, &settings), daemon);
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The error that ends a command, once: the daemon logs it (its stderr is a log, maybe
+/// JSON), the other commands print `error: …` as command line tools do.
+fn report(e: &anyhow::Error, hint: Option<String>, daemon: bool) {
+    let error = Chain(&**e).to_string();
+    if daemon {
+        match hint {
+            Some(hint) => tracing::error!(hint, "{error}"),
+            None => tracing::error!("{error}"),
+        }
+        return;
+    }
+    eprintln!("error: {}", Shown(&error));
+    if let Some(hint) = hint {
+        eprintln!("hint: {}", Shown(&hint));
     }
 }
 
@@ -111,7 +167,7 @@ async fn expect(settings: &Settings, args: ExpectArgs) -> anyhow::Result<ExitCod
         .context("connecting to Postgres")?;
     let id = client::expect(&mut conn, store.schema(), &e)
         .await
-        .context("inserting the expectation (has `timeoutd migrate` run?)")?;
+        .context("inserting the expectation")?;
     println!("{id} due at {}", e.timeout_at.to_rfc3339());
     drop(conn);
     store.close().await;

@@ -300,6 +300,61 @@ fn invalid_values_are_refused_naming_the_key() {
     }
 }
 
+/// A default never makes another key's valid value invalid: every valid
+/// `scan.concurrency` works with the defaults of `scan.fresh_slots` and
+/// `postgres.max_connections`, which follow it.
+#[test]
+fn every_valid_concurrency_works_with_the_other_defaults() {
+    for concurrency in 1..=MAX_CONCURRENCY {
+        let c = concurrency.to_string();
+        let s = load(&[("TIMEOUTD__SCAN__CONCURRENCY", &c)])
+            .unwrap_or_else(|e| panic!("scan.concurrency = {c}: {e}"));
+        assert_eq!(s.scan.concurrency, concurrency);
+        assert_eq!(s.scan.fresh_slots, u32::from(concurrency > 1), "{c}");
+        assert!(s.postgres.max_connections >= concurrency + 2, "{c}");
+        assert!(s.postgres.max_connections >= 8, "{c}");
+    }
+    let s = load(&[]).expect("defaults");
+    assert_eq!((s.scan.fresh_slots, s.postgres.max_connections), (1, 8));
+    let out_of_range = load(&[("TIMEOUTD__SCAN__CONCURRENCY", "17")]).expect_err("17");
+    assert!(
+        out_of_range.to_string().contains("scan.concurrency"),
+        "{out_of_range}"
+    );
+}
+
+/// A value that is set is taken as it is and judged as usual, never clamped.
+#[test]
+fn derived_keys_set_explicitly_are_kept_and_checked() {
+    let s = load(&[
+        ("TIMEOUTD__SCAN__CONCURRENCY", "3"),
+        ("TIMEOUTD__SCAN__FRESH_SLOTS", "2"),
+        ("TIMEOUTD__POSTGRES__MAX_CONNECTIONS", "30"),
+    ])
+    .expect("valid");
+    assert_eq!((s.scan.fresh_slots, s.postgres.max_connections), (2, 30));
+    let cases = [
+        (("TIMEOUTD__SCAN__FRESH_SLOTS", "2"), "scan.fresh_slots"),
+        (
+            ("TIMEOUTD__POSTGRES__MAX_CONNECTIONS", "3"),
+            "postgres.max_connections",
+        ),
+        (("TIMEOUTD__SCAN__FRESH_SLOTS", "many"), "fresh_slots"),
+    ];
+    for (set, key) in cases {
+        let err = load(&[("TIMEOUTD__SCAN__CONCURRENCY", "2"), set]).expect_err(set.0);
+        assert!(err.to_string().contains(key), "{set:?}: {err}");
+    }
+    // What check-config prints (the derived values) loads back as the same settings.
+    let s = load(&[("TIMEOUTD__SCAN__CONCURRENCY", "1")]).expect("valid");
+    let back: Settings = toml::from_str(&toml::to_string(&s).expect("toml")).expect("back");
+    back.validate().expect("valid");
+    assert_eq!(
+        (back.scan.fresh_slots, back.postgres.max_connections),
+        (0, 8)
+    );
+}
+
 #[test]
 fn redaction_hides_passwords_and_keeps_the_rest() {
     let s = load(&[

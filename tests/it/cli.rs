@@ -152,6 +152,7 @@ async fn expect_command_fires_one_timeout_through_the_daemon_binary() {
     assert_eq!(pending["rows"][0]["id"], id.as_str());
     wait_for(PATIENCE, "the TimeOut", || inbox.len() == 1).await;
     let members = timeoutd(&world, &["members", "--once", "--json"], &[]);
+    assert!(members.status.success(), "{members:?}");
     let members: serde_json::Value =
         serde_json::from_slice(&members.stdout).expect("members --json");
     assert_eq!(
@@ -163,6 +164,28 @@ async fn expect_command_fires_one_timeout_through_the_daemon_binary() {
     assert_eq!(inbox.counts().get(&id), Some(&1));
     assert_eq!(inbox.all()[0].body["payload"]["order"], 7);
     drop(daemon);
+    world.cleanup().await;
+}
+
+/// `members --once` with nobody in the group exits 6 and says so on stderr; `--help`
+/// lists every exit code.
+#[tokio::test]
+async fn members_once_exits_6_when_no_member_answers() {
+    let world = World::new().await;
+    for args in [&["members", "--once"][..], &["members", "--once", "--json"]] {
+        let out = timeoutd(&world, args, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(6), "{args:?}: {out:?}");
+        assert!(
+            err.contains("no member of group") && err.contains(&world.group),
+            "{err}"
+        );
+    }
+    let help = timeoutd(&world, &["--help"], &[]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    for (code, meaning) in timeoutd::commands::EXIT_CODES {
+        assert!(help.contains(&format!("{code}  {meaning}")), "{help}");
+    }
     world.cleanup().await;
 }
 
@@ -386,6 +409,12 @@ async fn no_password_in_any_output_even_at_trace_level() {
         assert_no_secret(&what, &stderr, &secrets);
         let log = String::from_utf8_lossy(&stderr);
         assert!(log.contains("TRACE"), "{what}: at trace level");
+        if format == "text" {
+            // Not a terminal: no colour, so every line starts `<time> <LEVEL> ` bare.
+            for line in log.lines() {
+                assert!(starts_with_a_bare_level(line), "{what}: {line:?}");
+            }
+        }
         let warnings: Vec<&str> = log
             .lines()
             .filter(|l| l.contains("WARN") || l.contains("ERROR"))
@@ -404,11 +433,64 @@ async fn no_password_in_any_output_even_at_trace_level() {
         &["members", "--once"],
     ] {
         let out = timeoutd(&world, args, &trace);
-        assert!(out.status.success(), "{args:?}: {out:?}");
+        // No daemon runs any more: `members --once` says nobody answered.
+        let expected = if args[0] == "members" { 6 } else { 0 };
+        assert_eq!(out.status.code(), Some(expected), "{args:?}: {out:?}");
         assert_no_secret(&format!("{args:?}"), &out.stdout, &secrets);
         assert_no_secret(&format!("{args:?}"), &out.stderr, &secrets);
     }
     ctl(&["delete_user", &user]).await;
+    world.cleanup().await;
+}
+
+/// `2024-01-01T00:00:00.000000Z  INFO …`: a timestamp, spaces and a level, nothing
+/// between them (a colour code would be).
+fn starts_with_a_bare_level(line: &str) -> bool {
+    let Some((time, rest)) = line.split_once(' ') else {
+        return false;
+    };
+    let level = rest.trim_start().split(' ').next().unwrap_or_default();
+    time.ends_with('Z')
+        && chrono::DateTime::parse_from_rfc3339(time).is_ok()
+        && ["TRACE", "DEBUG", "INFO", "WARN", "ERROR"].contains(&level)
+}
+
+/// A command that fails prints its error once, each cause once, and a hint for the
+/// common mistake: here, a schema nobody migrated. It logs nothing besides.
+#[tokio::test]
+async fn an_error_is_printed_once_with_each_cause_once_and_a_hint() {
+    let world = World::new().await;
+    for args in [
+        &["pending"][..],
+        &["pending", "--list", "--json"],
+        &[
+            "expect",
+            "--process-id",
+            "p",
+            "--message-type",
+            "T",
+            "--routing-key",
+            "k",
+        ],
+    ] {
+        let out = timeoutd(&world, args, &[]);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 2, "{args:?}: an error line and a hint:\n{err}");
+        let (error, hint) = (lines[0], lines[1]);
+        assert!(error.starts_with("error: "), "{error}");
+        assert_eq!(error.matches("does not exist").count(), 1, "{error}");
+        assert!(error.contains("SQLSTATE 42P01"), "{error}");
+        assert!(
+            !error.contains(" at line "),
+            "the Postgres source line: {error}"
+        );
+        assert!(
+            hint.starts_with("hint: ") && hint.contains("timeoutd migrate"),
+            "{hint}"
+        );
+    }
     world.cleanup().await;
 }
 

@@ -142,6 +142,23 @@ async fn metrics_and_status_follow_role_changes_and_firing() {
     assert_eq!(metric(&text, "timeoutd_active{"), Some(1.0));
     assert_eq!(metric(&text, "timeoutd_members{"), Some(2.0));
     assert_eq!(metric(&text, "timeoutd_pending_failing{"), Some(1.0));
+    // The node's id is in one series only, so a restart makes no other series anew.
+    let active_id = if active_one == a {
+        first.node_id
+    } else {
+        second.node_id
+    };
+    let with_id: Vec<&str> = text.lines().filter(|l| l.contains("node_id=")).collect();
+    assert_eq!(
+        with_id,
+        [format!(
+            "timeoutd_node_info{{group=\"{}\",node_id=\"{active_id}\"}} 1",
+            world.group
+        )],
+        "{text}"
+    );
+    let build = format!("timeoutd_build_info{{group=\"{}\",version=\"", world.group);
+    assert!(text.contains(&build), "{text}");
     // The active one leaves: the other's /metrics and /status show the takeover.
     let (leaver, stayer) = if first.node_id < second.node_id {
         (first, second)
@@ -245,7 +262,7 @@ async fn every_documented_series_moves_after_its_event() {
         ("timeoutd_publish_failures_total{", 1.0),
         ("timeoutd_scan_duration_seconds_count{", 1.0),
         ("timeoutd_fire_lateness_seconds_count{", 4.0),
-        ("timeoutd_pending_total{", 2.0),
+        ("timeoutd_pending{", 2.0),
         ("timeoutd_pending_due{", 2.0),
         ("timeoutd_pending_overdue{", 2.0),
         ("timeoutd_pending_failing{", 2.0),

@@ -92,17 +92,12 @@ impl Scrape {
         Self { samples }
     }
 
-    /// Several daemons' scrapes as one: the series that differ only in `node_id` added
-    /// up (counters and histogram buckets of a group).
+    /// Several daemons' scrapes as one: the same series of each added up (counters and
+    /// histogram buckets of a group; only `timeoutd_node_info` names the node).
     pub(crate) fn merged(scrapes: &[Scrape]) -> Self {
         let mut samples: Vec<Sample> = Vec::new();
         for sample in scrapes.iter().flat_map(|s| &s.samples) {
-            let labels: Vec<(String, String)> = sample
-                .labels
-                .iter()
-                .filter(|(k, _)| k != "node_id")
-                .cloned()
-                .collect();
+            let labels = sample.labels.clone();
             match samples
                 .iter_mut()
                 .find(|x| x.name == sample.name && x.labels == labels)
@@ -446,7 +441,7 @@ pub(crate) fn bound_text(le_ms: f64) -> String {
 mod tests {
     use super::*;
 
-    const LABELS: &str = r#"group="bench-1",node_id="00000000-0000-0000-0000-000000000000""#;
+    const LABELS: &str = r#"group="bench-1""#;
 
     fn histogram(name: &str, buckets: &[(&str, u64)], sum: f64) -> String {
         let mut text = format!("# TYPE {name} histogram\n# UNIT {name} seconds\n");
@@ -483,11 +478,7 @@ mod tests {
             .iter()
             .find(|x| x.name == FIRED)
             .map(|x| x.labels.clone());
-        let expected = [
-            ("group", "bench-1"),
-            ("node_id", "00000000-0000-0000-0000-000000000000"),
-        ]
-        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let expected = [("group", "bench-1")].map(|(k, v)| (k.to_owned(), v.to_owned()));
         assert_eq!(fired, Some(expected.to_vec()));
         assert_eq!(s.get("timeoutd_absent"), None);
     }
@@ -578,10 +569,11 @@ mod tests {
         assert_eq!(quantile_bound(&after, &after, SCAN_DURATION, 1.0), 0.0);
     }
 
-    /// One daemon's delayed-message series (`node` in its labels).
+    /// One daemon's delayed-message series (`node` its id in `timeoutd_node_info`).
     fn delayed_exposition(node: u8, stored: u64, ingest: &[(&str, u64)], fired: u64) -> Scrape {
-        let labels = format!(r#"group="bench-1",node_id="{node}""#);
-        let mut text = format!("{INGESTED}{{{labels},result=\"stored\"}} {stored}\n");
+        let labels = r#"group="bench-1""#;
+        let mut text = format!("timeoutd_node_info{{{labels},node_id=\"{node}\"}} 1\n");
+        text += &format!("{INGESTED}{{{labels},result=\"stored\"}} {stored}\n");
         text += &format!("{INGESTED}{{{labels},result=\"held\"}} 1\n");
         for (le, n) in ingest {
             text += &format!("{INGEST_TIME}_bucket{{{labels},le=\"{le}\"}} {n}\n");
@@ -619,8 +611,9 @@ mod tests {
             m.buckets(INGEST_TIME),
             vec![(0.005, 3.0), (f64::INFINITY, 4.0)]
         );
-        assert!(m.samples.iter().all(|s| s.label("node_id").is_none()));
-        assert_eq!(m.samples.len(), a.samples.len());
+        let nodes = m.samples.iter().filter(|s| s.label("node_id").is_some());
+        assert_eq!(nodes.count(), 2, "one node_info series per daemon");
+        assert_eq!(m.samples.len(), a.samples.len() + 1);
     }
 
     #[test]
