@@ -173,3 +173,27 @@ async fn expect(settings: &Settings, args: ExpectArgs) -> anyhow::Result<ExitCod
     store.close().await;
     Ok(ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::EXIT_CODES;
+
+    /// The users' table of exit codes (docs/operating/running.md) lists exactly the
+    /// codes the program has.
+    #[test]
+    fn the_documented_exit_codes_are_the_programs() {
+        let page = include_str!("../../docs/operating/running.md");
+        let table = page
+            .split("## Exit codes")
+            .nth(1)
+            .expect("an \"Exit codes\" section");
+        let documented: Vec<u8> = table
+            .lines()
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
+            .filter_map(|l| l.split('|').nth(1)?.trim().parse().ok())
+            .collect();
+        let ours: Vec<u8> = EXIT_CODES.iter().map(|(code, _)| *code).collect();
+        assert_eq!(documented, ours, "docs/operating/running.md, Exit codes");
+    }
+}
