@@ -9,7 +9,7 @@ use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{ExchangeKind, types::ShortString};
 
-use crate::common::{Inbox, PATIENCE, Proc, World, amqp, wait_active, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, Proc, amqp, wait_active, wait_for, wait_for_async};
 use crate::delayed::{delayed_world, headers, publish, publisher};
 use crate::http::get;
 
