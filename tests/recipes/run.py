@@ -158,7 +158,7 @@ def end(proc):
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -225,12 +225,49 @@ def run_celery(name):
         broker_cleanup(queues=[queue])
 
 
-def run_pair(name, consumer, publisher, overrides=None, queues=(), exchanges=()):
+def judge_twice(name, sent, ran, cancelled=()):
+    """What the docs say of a queue bound to the ingress: each message twice, once at
+    once and once on time."""
+    lines = []
+    for s in sent:
+        waited = sorted(r["at"] - s["at"] for r in ran if r["id"] == s["id"])
+        delay = s["delay_ms"] / 1000
+        if len(waited) != 2 or waited[0] >= delay or waited[1] < delay:
+            raise Failed(f"{name}: {s['id']} not twice (at once, then on time): {waited}")
+        lines.append(
+            f"{s['id']}: delay {s['delay_ms']} ms, ran twice, after {waited[0]:.3f}s "
+            f"and {waited[1]:.3f}s (as the docs say)"
+        )
+    return lines
+
+
+def run_plugin_defaults(name):
+    """taskiq-aio-pika's plugin mode as it comes: the broker refuses the exchange type."""
+    d = Daemon(name, {})
+    env = dict(os.environ, AMQP_URL=AMQP_URL, TIMEOUTD_INGRESS=d.ingress,
+               RECIPE_VARIANT="plugin-defaults")
+    d.start()
+    try:
+        pub = subprocess.run(
+            [PY, "taskiq_send.py", str(DELAY_MS)], cwd=HERE, env=env, capture_output=True,
+            timeout=PATIENCE,
+        )
+        err = pub.stderr.decode()
+        if pub.returncode == 0 or "COMMAND_INVALID" not in err:
+            raise Failed(f"expected COMMAND_INVALID at startup: {pub.returncode} {err[-500:]}")
+        return [err.strip().splitlines()[-1] + " (as the docs say)"]
+    finally:
+        d.stop()
+
+
+def run_pair(name, consumer, publisher, overrides=None, queues=(), exchanges=(),
+             variant="recipe", judged=judge):
     """A consumer process that prints what arrives, and a publisher run once."""
     d = Daemon(name, overrides or {})
     tag = uuid.uuid4().hex[:8]
     env = dict(
         os.environ,
+        RECIPE_VARIANT=variant,
         AMQP_URL=AMQP_URL,
         TIMEOUTD_INGRESS=d.ingress,
         RECIPE_TAG=tag,
@@ -253,7 +290,7 @@ def run_pair(name, consumer, publisher, overrides=None, queues=(), exchanges=())
         expect = len(sent) - len(cancelled)
         wait(lambda: len(cev.of("ran")) >= expect, f"the {name} messages")
         time.sleep(DELAY_MS / 1000 + 2)
-        return judge(name, sent, cev.of("ran"), cancelled)
+        return judged(name, sent, cev.of("ran"), cancelled)
     finally:
         if cons:
             end(cons)
@@ -285,6 +322,17 @@ RECIPES = {
         overrides={"TIMEOUTD__DELAY__TARGET_EXCHANGE": "recipes.taskiq"},
         queues=["recipes.taskiq.{tag}"],
         exchanges=["recipes.taskiq"],
+    ),
+    "taskiq-plugin-defaults": lambda: run_plugin_defaults("taskiq-plugin-defaults"),
+    "taskiq-bound-twice": lambda: run_pair(
+        "taskiq-bound-twice",
+        [PY, "-m", "taskiq", "worker", "taskiq_tasks:broker", "--workers", "1"],
+        [PY, "taskiq_send.py"],
+        overrides={"TIMEOUTD__DELAY__TARGET_EXCHANGE": "recipes.taskiq"},
+        queues=["recipes.taskiq.{tag}"],
+        exchanges=["recipes.taskiq"],
+        variant="bound-twice",
+        judged=judge_twice,
     ),
 }
 
