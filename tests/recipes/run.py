@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -301,6 +302,115 @@ def run_pair(name, consumer, publisher, overrides=None, queues=(), exchanges=(),
         )
 
 
+def run_migration(name):
+    """docs/migrating.md, step by step, on a broker without the plugin: its exchange is
+    played by one of another type (what timeoutd meets while the plugin's still exists),
+    the examples/delay.py test command as written there, and clients that re-declare."""
+    tag = uuid.uuid4().hex[:8]
+    old, out, queue = f"billing-{tag}.delayed", f"billing-{tag}.delayed.out", f"billing-{tag}.retries"
+    params = pika.URLParameters(AMQP_URL)
+    lines = []
+
+    def channel():
+        return pika.BlockingConnection(params).channel()
+
+    def received(limit):
+        """What reaches the consumers' queue within `limit` seconds: (seconds, message)."""
+        got, start = [], time.monotonic()
+        ch = channel()
+        while time.monotonic() - start < limit:
+            method, props, _ = ch.basic_get(queue, auto_ack=True)
+            if method:
+                got.append((time.monotonic() - start, props))
+            else:
+                time.sleep(0.05)
+        ch.connection.close()
+        return got
+
+    def test_message(delay_ms=3000):
+        """The test command of docs/migrating.md, in the background; what arrived."""
+        cmd = [PY, ROOT / "examples" / "delay.py", "--url", AMQP_URL, "--ingress", old,
+               "--delay-ms", str(delay_ms), "--routing-key", "payment.test"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        got = received(delay_ms / 1000 + 3)
+        out_, err = proc.communicate(timeout=PATIENCE)
+        if proc.returncode:
+            raise Failed(f"delay.py failed: {err.decode()}")
+        return got
+
+    # Before: the plugin's exchange (stand-in: a direct exchange with the plugin's argument)
+    # and the consumers' queue bound to it.
+    ch = channel()
+    ch.exchange_declare(old, "direct", durable=True, arguments={"x-delayed-type": "topic"})
+    ch.queue_declare(queue, durable=True)
+    ch.queue_bind(queue, old, "payment.#")
+    # Step 1: the way out, bound alike.
+    ch.exchange_declare(out, "topic", durable=True)
+    ch.queue_bind(queue, out, "payment.#")
+    ch.connection.close()
+    d = Daemon(name, {"TIMEOUTD__DELAY__EXCHANGE": old, "TIMEOUTD__DELAY__TARGET_EXCHANGE": out})
+    try:
+        # Step 2 in the wrong order: timeoutd started while the old exchange is there.
+        with open(d.log, "wb") as log:
+            d.proc = subprocess.Popen([DAEMON, "run"], env=d.env, stdout=subprocess.PIPE,
+                                      stderr=log)
+        d.http = json.loads(d.proc.stdout.readline())["http_addr"]
+
+        def readyz():
+            try:
+                with urllib.request.urlopen(f"http://{d.http}/readyz", timeout=2) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+            except OSError as e:
+                return 0, str(e)
+
+        wait(lambda: "exists with another type" in readyz()[1], "/readyz naming the old exchange")
+        lines.append(f"old exchange still there: /readyz {readyz()[0]}: {readyz()[1][:160]}...")
+        ch = channel()
+        ch.exchange_delete(old)
+        ch.connection.close()
+        wait(d.ready, "ready once the old exchange is deleted")
+        lines.append("old exchange deleted: /readyz 200")
+        got = test_message()
+        if len(got) != 1 or got[0][0] < 3.0:
+            raise Failed(f"the test message: {[(round(t, 3), p.message_id) for t, p in got]}")
+        held = got[0][1].headers.get("x-timeoutd-delayed-ms")
+        lines.append(f"test command: arrived once on the queue after {got[0][0]:.3f}s "
+                     f"(x-timeoutd-delayed-ms {held})")
+        # A publisher that still declares the plugin's exchange type.
+        ch = channel()
+        try:
+            ch.exchange_declare(old, "x-delayed-message", durable=True,
+                                arguments={"x-delayed-type": "topic"})
+            raise Failed("declaring x-delayed-message passed")
+        except pika.exceptions.ConnectionClosedByBroker as e:
+            lines.append(f"publisher declaring x-delayed-message: {e.reply_code} {e.reply_text}")
+        ch = channel()
+        ch.exchange_declare(old, "topic", durable=True, arguments={"x-delayed-type": "topic"})
+        ch.exchange_declare(old, "topic", passive=True)
+        lines.append("publisher declaring it as a durable topic exchange (or passive): accepted")
+        # A consumer that binds its queue to the old exchange again: twice, once at once.
+        ch.queue_bind(queue, old, "payment.#")
+        ch.connection.close()
+        got = test_message()
+        times = [round(t, 3) for t, _ in got]
+        if len(got) != 2 or got[0][0] >= 3.0 or got[1][0] < 3.0:
+            raise Failed(f"a queue bound to the ingress: expected twice, got {times}")
+        lines.append(f"consumer bound to the old name again: twice, after {times[0]}s and {times[1]}s")
+        ch = channel()
+        ch.queue_unbind(queue, old, "payment.#")
+        ch.connection.close()
+        got = test_message()
+        if len(got) != 1 or got[0][0] < 3.0:
+            raise Failed(f"after unbinding: {[round(t, 3) for t, _ in got]}")
+        lines.append(f"binding removed: once again, after {got[0][0]:.3f}s")
+        return lines
+    finally:
+        d.stop()
+        broker_cleanup(queues=[queue], exchanges=[out, old])
+
+
 RECIPES = {
     "celery": lambda: run_celery("celery"),
     "amqplib": lambda: run_pair(
@@ -323,6 +433,7 @@ RECIPES = {
         queues=["recipes.taskiq.{tag}"],
         exchanges=["recipes.taskiq"],
     ),
+    "migration": lambda: run_migration("migration"),
     "taskiq-plugin-defaults": lambda: run_plugin_defaults("taskiq-plugin-defaults"),
     "taskiq-bound-twice": lambda: run_pair(
         "taskiq-bound-twice",
