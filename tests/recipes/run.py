@@ -189,7 +189,19 @@ def judge(name, sent, ran, cancelled=()):
     return lines
 
 
-def run_celery(name):
+def judge_at_once(name, sent, ran, cancelled=()):
+    """What the docs say of a Celery send without routing_key: it runs at once."""
+    lines = []
+    for s in sent:
+        waited = [r["at"] - s["at"] for r in ran if r["id"] == s["id"]]
+        if len(waited) != 1 or waited[0] >= s["delay_ms"] / 1000:
+            raise Failed(f"{name}: {s['id']} expected once, at once: {waited}")
+        lines.append(f"{s['id']}: delay {s['delay_ms']} ms asked, ran after {waited[0]:.3f}s "
+                     "(at once, as the docs say)")
+    return lines
+
+
+def run_celery(name, extra=(), judged=judge):
     d = Daemon(name, {"TIMEOUTD__DELAY__ALLOWED_EXCHANGES": "celery"})
     queue = f"recipes.celery.{d.group}"
     env = dict(os.environ, AMQP_URL=AMQP_URL, TIMEOUTD_INGRESS=d.ingress, CELERY_QUEUE=queue)
@@ -207,7 +219,8 @@ def run_celery(name):
         # The worker says it is ready in its log.
         wait(lambda: b"ready." in (CACHE / "celery-worker.log").read_bytes(), "celery worker")
         pub = subprocess.run(
-            [PY, "celery_send.py", str(DELAY_MS)], cwd=HERE, env=env, capture_output=True,
+            [PY, "celery_send.py", str(DELAY_MS), *extra], cwd=HERE, env=env,
+            capture_output=True,
             timeout=PATIENCE,
         )
         if pub.returncode:
@@ -218,7 +231,7 @@ def run_celery(name):
         expect = len(sent) - len(cancelled)
         wait(lambda: len(wev.of("ran")) >= expect, "the celery tasks")
         time.sleep(DELAY_MS / 1000 + 2)  # a cancelled one, or a second copy, would come
-        return judge(name, sent, wev.of("ran"), cancelled)
+        return judged(name, sent, wev.of("ran"), cancelled)
     finally:
         if worker:
             end(worker)
@@ -413,6 +426,9 @@ def run_migration(name):
 
 RECIPES = {
     "celery": lambda: run_celery("celery"),
+    "celery-no-routing-key": lambda: run_celery(
+        "celery-no-routing-key", ["--no-routing-key"], judge_at_once
+    ),
     "amqplib": lambda: run_pair(
         "amqplib",
         ["node", "amqplib_consume.js"],
