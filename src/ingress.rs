@@ -116,7 +116,8 @@ impl Intake {
         self.probe.update(|s| {
             let i = s.ingress.get_or_insert_with(IngressStatus::default);
             i.consuming = consuming;
-            if error.is_some() {
+            // Consuming again clears it: readiness must not name a cause long gone.
+            if error.is_some() || consuming {
                 i.last_error = error;
             }
         });

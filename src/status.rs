@@ -74,6 +74,7 @@ pub struct IngressStatus {
     pub consuming: bool,
     /// Delayed messages this node stored since it started.
     pub stored_total: u64,
+    /// Why it could not consume, since it last did.
     pub last_error: Option<String>,
 }
 
