@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pika
 
+# The recipe scripts import each other from tests/recipes: no __pycache__ left there.
+os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CACHE = ROOT / "target" / "recipes"
