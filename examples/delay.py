@@ -23,6 +23,12 @@ exchange and set ``delay.exchange`` to its name in timeoutd's configuration.
     python delay.py --delay-ms 3000 --routing-key orders.retry --body hello
     python delay.py --cancel 8d0c...                 # message_id printed above
 
+With ``delay.exchange`` set (say, to the plugin exchange's old name) name it with
+``--ingress``; with ``delay.target_exchange`` set, consume with ``--exchange``:
+
+    python delay.py --consume --exchange billing.delayed.out
+    python delay.py --ingress billing.delayed --delay-ms 3000 --routing-key payment.test
+
 Needs only pika (pip install pika).
 """
 
@@ -56,7 +62,7 @@ def publish(channel, args):
     channel.confirm_delivery()
     # Raises if refused (no ingress exchange: is timeoutd running for this group?).
     channel.basic_publish(
-        exchange=f"timeoutd.delay.{args.group}",
+        exchange=args.ingress or f"timeoutd.delay.{args.group}",
         routing_key=args.routing_key,
         body=args.body.encode(),
         properties=properties,
@@ -104,6 +110,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2f")
     p.add_argument("--group", default="default", help="timeoutd's election.group")
+    p.add_argument(
+        "--ingress",
+        metavar="EXCHANGE",
+        help="the ingress exchange, timeoutd's delay.exchange "
+        "(default timeoutd.delay.<group>)",
+    )
     p.add_argument("--delay-ms", type=int, default=5000, help="x-delay (ms)")
     p.add_argument(
         "--deliver-at",
@@ -112,7 +124,11 @@ def main():
     )
     p.add_argument("--routing-key", default="demo")
     p.add_argument("--body", default="hello")
-    p.add_argument("--exchange", help=f"x-timeoutd-exchange (default {TARGET})")
+    p.add_argument(
+        "--exchange",
+        help=f"publish: x-timeoutd-exchange; consume: the exchange to watch "
+        f"(default {TARGET})",
+    )
     p.add_argument("--message-id", help="default: a random UUID")
     p.add_argument("--cancel", metavar="MESSAGE_ID", help="cancel a pending message")
     p.add_argument("--consume", action="store_true", help="print deliveries")

@@ -8,7 +8,7 @@ mod proof;
 mod publish;
 
 pub use convert::{lapin_properties, wire_properties};
-pub use ingress::{Arrived, DELIVERY_LIMIT, Ingress, IngressSpec};
+pub use ingress::{Arrived, DELIVERY_LIMIT, InTheWay, Ingress, IngressSpec, OpenError};
 pub use publish::{Budget, Fate, HANDED_OVER_TOGETHER, PublishError, Published, ToPublish};
 
 use std::str::FromStr;

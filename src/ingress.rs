@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::bus::{Arrived, Bus, BusError, Ingress, IngressSpec};
+use crate::bus::{Arrived, Bus, BusError, InTheWay, Ingress, IngressSpec};
 use crate::config::Settings;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{IngressStatus, Probe};
@@ -116,7 +116,8 @@ impl Intake {
         self.probe.update(|s| {
             let i = s.ingress.get_or_insert_with(IngressStatus::default);
             i.consuming = consuming;
-            if error.is_some() {
+            // Consuming again clears it: readiness must not name a cause long gone.
+            if error.is_some() || consuming {
                 i.last_error = error;
             }
         });
@@ -135,6 +136,8 @@ pub(crate) async fn ingress_loop(ctx: Intake) {
     });
     let mut bus_rx = ctx.bus.clone();
     let mut backoff = Backoff::new(ctx.settings.backoff.min, ctx.settings.backoff.max);
+    // The failure last logged: the same one again (every retry) goes to debug.
+    let mut reported: Option<String> = None;
     loop {
         let Some(bus) = next_bus(&mut bus_rx, &ctx.stop).await else {
             return;
@@ -146,13 +149,28 @@ pub(crate) async fn ingress_loop(ctx: Intake) {
         let ended = match opened {
             Ok(ingress) => {
                 tracing::info!(queue = %spec.name, "consuming delayed messages");
+                reported = None;
                 ctx.set_consuming(true, None);
                 backoff.reset();
                 consume(&ctx, ingress).await
             }
             Err(e) => {
-                tracing::error!(queue = %spec.name, error = %Chain(&e), "cannot consume the delay ingress");
-                ctx.set_consuming(false, Some(format!("{:#}", anyhow::Error::new(e))));
+                let why = Chain(&e).to_string();
+                let in_the_way = e.in_the_way();
+                if reported.as_ref() == Some(&why) {
+                    tracing::debug!(queue = %spec.name, error = %why, "still cannot consume the delay ingress");
+                } else if in_the_way.is_some() {
+                    tracing::error!(queue = %spec.name, error = %why, "cannot consume the delay ingress (not ready until it can)");
+                } else {
+                    tracing::warn!(queue = %spec.name, error = %why, "cannot consume the delay ingress yet");
+                }
+                reported = Some(why.clone());
+                ctx.set_consuming(false, Some(why));
+                if let Some(what) = in_the_way
+                    && wait_while_in_the_way(&ctx, &bus, &what).await
+                {
+                    backoff.reset();
+                }
                 Ended::BusLost
             }
         };
@@ -167,6 +185,33 @@ pub(crate) async fn ingress_loop(ctx: Intake) {
         }
     }
 }
+
+/// While an exchange or queue is in the ingress's way, declaring it again fails the same
+/// way: look whether it is gone (quietly, with the `backoff.*` delays), and declare again
+/// once it is, or after `IN_THE_WAY_RETRY` × `backoff.max` at the latest (it may have
+/// been replaced by one the ingress can use). True if it is gone.
+async fn wait_while_in_the_way(ctx: &Intake, bus: &Bus, what: &InTheWay) -> bool {
+    let (min, max) = (ctx.settings.backoff.min, ctx.settings.backoff.max);
+    let mut backoff = Backoff::new(min, max);
+    let until = Instant::now() + max * IN_THE_WAY_RETRY;
+    while Instant::now() < until {
+        if !sleep_or_stop(&ctx.stop, backoff.next_delay()).await {
+            return false;
+        }
+        match bus.still_there(what).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::info!(?what, "what was in the delay ingress's way is gone");
+                return true;
+            }
+            Err(_) => return false,
+        }
+    }
+    false
+}
+
+/// How many `backoff.max` at most before the ingress declares again all the same.
+const IN_THE_WAY_RETRY: u32 = 6;
 
 /// The node task's current connection, once there is a healthy one; `None` on stop.
 async fn next_bus(

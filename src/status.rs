@@ -74,6 +74,7 @@ pub struct IngressStatus {
     pub consuming: bool,
     /// Delayed messages this node stored since it started.
     pub stored_total: u64,
+    /// Why it could not consume, since it last did.
     pub last_error: Option<String>,
 }
 
@@ -94,7 +95,7 @@ impl Probe {
         let s = settings;
         Self {
             started: Instant::now(),
-            status: RwLock::new(Snapshot::starting(node_id, &s.election.group)),
+            status: RwLock::new(Snapshot::starting(node_id, s)),
             node_beat: AtomicU64::new(0),
             scan_beat: AtomicU64::new(0),
             stall_after: 2
@@ -134,7 +135,10 @@ impl Probe {
 
     /// Readiness: `Some(reason)` unless connected to RabbitMQ, the node's own statements
     /// reach Postgres (as its scan and probes last found: never a round trip of its
-    /// own), a candidate and settled.
+    /// own), consuming the delay ingress (when enabled), a candidate and settled. The
+    /// ingress counts for readiness only, not for the election: every node consumes it,
+    /// and what stops one (an old exchange in the way) stops them all, which must not
+    /// stop the TimeOuts too.
     pub fn not_ready(&self) -> Option<String> {
         let s = self.snapshot();
         if !s.bus_connected {
@@ -149,6 +153,12 @@ impl Probe {
                 ));
             }
             Standing::Untried => return Some("postgres: not reached yet".into()),
+        }
+        if let Some(i) = s.ingress.as_ref().filter(|i| !i.consuming) {
+            return Some(match &i.last_error {
+                Some(e) => format!("delay ingress {}: not consuming: {e}", i.queue),
+                None => format!("delay ingress {}: not consuming yet", i.queue),
+            });
         }
         if !s.candidate {
             return Some(format!(
@@ -207,10 +217,10 @@ pub(crate) async fn count_pending(
 }
 
 impl Snapshot {
-    fn starting(node_id: Uuid, group: &str) -> Self {
+    fn starting(node_id: Uuid, s: &Settings) -> Self {
         Self {
             node_id,
-            group: group.to_owned(),
+            group: s.election.group.clone(),
             role: Role::Passive,
             settled: false,
             candidate: true,
@@ -222,7 +232,11 @@ impl Snapshot {
             database_ok: None,
             last_scan: None,
             fired_total: 0,
-            ingress: None,
+            // Present from the start, so that readiness waits for it.
+            ingress: s.delay.enabled.then(|| IngressStatus {
+                queue: s.delay_exchange(),
+                ..IngressStatus::default()
+            }),
         }
     }
 }

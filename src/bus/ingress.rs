@@ -34,6 +34,55 @@ pub struct IngressSpec {
     pub prefetch: u16,
 }
 
+/// Why the ingress could not be opened. The broker's refusal of an exchange or queue
+/// that exists already with another type or other arguments is told apart: it does
+/// not go away by retrying, and the operator has to act (typically after moving off the
+/// delayed-message plugin, whose exchange is not a topic exchange).
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(
+        "the exchange {name} exists with another type than a durable topic exchange (the \
+         delayed-message plugin's x-delayed-message?): delete it (its bindings go with it) \
+         or set delay.exchange to another name; retrying until then"
+    )]
+    ExchangeExists {
+        name: String,
+        #[source]
+        source: BusError,
+    },
+    #[error(
+        "the queue {name} exists with other arguments than a durable quorum queue: move its \
+         messages elsewhere and delete it, or set delay.exchange to another name; retrying \
+         until then"
+    )]
+    QueueExists {
+        name: String,
+        #[source]
+        source: BusError,
+    },
+    #[error(transparent)]
+    Bus(#[from] BusError),
+}
+
+impl OpenError {
+    /// What is in the way, when the broker refused what exists (an operator must act),
+    /// rather than the connection or channel failing.
+    pub fn in_the_way(&self) -> Option<InTheWay> {
+        match self {
+            Self::ExchangeExists { name, .. } => Some(InTheWay::Exchange(name.clone())),
+            Self::QueueExists { name, .. } => Some(InTheWay::Queue(name.clone())),
+            Self::Bus(_) => None,
+        }
+    }
+}
+
+/// An exchange or queue, of the ingress's name, that exists as the ingress cannot have it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InTheWay {
+    Exchange(String),
+    Queue(String),
+}
+
 /// A consuming ingress.
 pub struct Ingress {
     channel: Channel,
@@ -53,7 +102,7 @@ pub struct Arrived {
 
 impl Bus {
     /// Declare the ingress topology and start consuming.
-    pub async fn ingress(&self, spec: &IngressSpec) -> Result<Ingress, BusError> {
+    pub async fn ingress(&self, spec: &IngressSpec) -> Result<Ingress, OpenError> {
         let limit = self.settings.connect_timeout;
         self.declare_target(&spec.target_exchange).await?;
         let channel = bounded("open channel", limit, self.conn.create_channel()).await?;
@@ -67,7 +116,15 @@ impl Bus {
             durable,
             FieldTable::default(),
         );
-        bounded("declare ingress exchange", limit, declare).await?;
+        bounded("declare ingress exchange", limit, declare)
+            .await
+            .map_err(|e| match e {
+                BusError::Amqp(ref a) if is_precondition_failed(a) => OpenError::ExchangeExists {
+                    name: spec.name.clone(),
+                    source: e,
+                },
+                e => e.into(),
+            })?;
         let mut args = FieldTable::default();
         args.insert(
             "x-queue-type".into(),
@@ -82,7 +139,15 @@ impl Bus {
             ..QueueDeclareOptions::default()
         };
         let queue = channel.queue_declare(spec.name.as_str().into(), options, args);
-        bounded("declare ingress queue", limit, queue).await?;
+        bounded("declare ingress queue", limit, queue)
+            .await
+            .map_err(|e| match e {
+                BusError::Amqp(ref a) if is_precondition_failed(a) => OpenError::QueueExists {
+                    name: spec.name.clone(),
+                    source: e,
+                },
+                e => e.into(),
+            })?;
         let bind = channel.queue_bind(
             spec.name.as_str().into(),
             spec.name.as_str().into(),
@@ -139,6 +204,57 @@ impl Bus {
             Err(e) => Err(e),
         }
     }
+}
+
+impl Bus {
+    /// Whether `what` still exists: a passive declare, which creates nothing and passes
+    /// quietly for an exchange of any type or a queue with any arguments. The ingress
+    /// asks this while something is in its way instead of declaring again, which the
+    /// broker would refuse by closing the channel (and lapin log as an error) each time.
+    pub async fn still_there(&self, what: &InTheWay) -> Result<bool, BusError> {
+        let limit = self.settings.connect_timeout;
+        let channel = bounded("open channel", limit, self.conn.create_channel()).await?;
+        let checked = match what {
+            InTheWay::Exchange(name) => {
+                let passive = ExchangeDeclareOptions {
+                    passive: true,
+                    ..ExchangeDeclareOptions::default()
+                };
+                let declare = channel.exchange_declare(
+                    name.as_str().into(),
+                    ExchangeKind::Topic,
+                    passive,
+                    FieldTable::default(),
+                );
+                bounded("check exchange", limit, declare).await
+            }
+            InTheWay::Queue(name) => {
+                let passive = QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                };
+                let declare =
+                    channel.queue_declare(name.as_str().into(), passive, FieldTable::default());
+                bounded("check queue", limit, declare).await.map(|_| ())
+            }
+        };
+        match checked {
+            Ok(()) => {
+                let _ = channel.close(200, "OK".into()).await;
+                Ok(true)
+            }
+            Err(BusError::Amqp(e)) if is_not_found(&e) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(
+        e.kind(),
+        lapin::ErrorKind::ProtocolError(p)
+            if p.kind() == &AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+    )
 }
 
 fn is_precondition_failed(e: &lapin::Error) -> bool {

@@ -13,7 +13,7 @@ use crate::store::{Bound, DelayedRow, Due, Held, Ingest, Stored};
 mod destinations;
 pub use destinations::{DestinationError, Destinations, Names};
 
-/// Milliseconds to wait, as with the delayed-message-exchange plugin.
+/// Milliseconds to wait, as with the delayed-message-exchange plugin (see [`delay_ms`]).
 pub const DELAY_HEADER: &str = "x-delay";
 /// An RFC 3339 instant to deliver at (wins over `x-delay`).
 pub const DELIVER_AT_HEADER: &str = "x-timeoutd-deliver-at";
@@ -154,20 +154,61 @@ fn due(p: &Properties, rules: &Rules, now: DateTime<Utc>) -> Result<Due, (Due, P
     let Some(v) = p.header(DELAY_HEADER) else {
         return Ok(at_once);
     };
-    let ms = v.as_integer().ok_or_else(|| {
-        let e = format!("{DELAY_HEADER} is not a whole number of milliseconds: {v:?}");
+    let ms = delay_ms(v).ok_or_else(|| {
+        let e = format!(
+            "{DELAY_HEADER} is not a number of milliseconds: {}",
+            shown(v)
+        );
         (at_once, (Bound::BadInput, e))
     })?;
-    let ms = u64::try_from(ms.max(0)).unwrap_or(u64::MAX);
     let delay = Duration::from_millis(ms);
     if delay > rules.max_delay {
         // Stored as due at the bound, should an operator release it.
         return Err((
             Due::After(rules.max_delay),
-            far(format!("{DELAY_HEADER} of {ms} ms")),
+            far(format!("{DELAY_HEADER} of {} ms", shown(v))),
         ));
     }
     Ok(Due::After(delay))
+}
+
+/// `x-delay` as the delayed-message plugin reads it: any AMQP integer type, a string of
+/// decimal digits, or a float, double or decimal, whose fraction is dropped (truncated
+/// toward zero, as the plugin does: kombu sends a whole `2500` as the double `2500.0`).
+/// Negative means now (0). A number too large for a `u64` of milliseconds saturates
+/// (it is beyond `delay.max_delay` anyway). `None` for anything else, NaN included.
+fn delay_ms(v: &Value) -> Option<u64> {
+    let whole = match *v {
+        Value::F32(bits) => truncated(f32::from_bits(bits).into())?,
+        Value::F64(bits) => truncated(f64::from_bits(bits))?,
+        Value::Decimal { scale, value } => {
+            // value / 10^scale; a scale beyond 9 leaves nothing of a u32 but zero.
+            i128::from(value) / 10i128.checked_pow(scale.into()).unwrap_or(i128::MAX)
+        }
+        _ => v.as_integer()?,
+    };
+    Some(u64::try_from(whole.max(0)).unwrap_or(u64::MAX))
+}
+
+/// A header value as a person reads it: floats as numbers, not as their bits.
+fn shown(v: &Value) -> String {
+    match *v {
+        Value::F32(bits) => format!("float {}", f32::from_bits(bits)),
+        Value::F64(bits) => format!("double {}", f64::from_bits(bits)),
+        Value::Decimal { scale, value } => format!("decimal {value}e-{scale}"),
+        Value::Short(ref s) | Value::Str(ref s) => format!("{s:?}"),
+        _ => match v.as_integer() {
+            Some(n) => n.to_string(),
+            None => format!("{v:?}"),
+        },
+    }
+}
+
+/// `x` toward zero, saturating at the ends of `i128` (infinities included); `None` for
+/// NaN, which names no time at all.
+fn truncated(x: f64) -> Option<i128> {
+    // `as` truncates toward zero and saturates; only NaN must be told apart.
+    (!x.is_nan()).then_some(x as i128)
 }
 
 /// Where it goes; `Err` says why it is held, with the exchange to store.

@@ -1,7 +1,12 @@
 //! AMQP field values (header values), without lapin, in a form that survives a trip
-//! through jsonb unchanged: every value keeps its AMQP type, tables keep their order,
-//! floats keep their bits (NaN and infinities included), strings that are not UTF-8
-//! keep their bytes. A delayed message is delivered with exactly the headers it came with.
+//! through jsonb unchanged: every value keeps its AMQP type, floats keep their bits (NaN
+//! and infinities included), strings that are not UTF-8 keep their bytes. A delayed
+//! message is delivered with the headers it came with, with one difference: field tables
+//! (the headers, and tables nested in them) come out sorted by key, and of a key sent
+//! twice only the last value is left. That happens as the message arrives, not here:
+//! lapin's `FieldTable` (amq-protocol) is a `BTreeMap`, and lapin hands over only parsed
+//! properties, so the order on the wire cannot be had. A `Table` keeps the order it is
+//! built with.
 
 use serde::{Deserialize, Serialize};
 

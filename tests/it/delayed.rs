@@ -255,7 +255,7 @@ async fn junk_headers_and_oversized_bodies_are_kept_as_failing() {
             vec![("x-delay", AMQPValue::LongString(LongString::from("soon")))],
             10,
         ),
-        ("bad-float", vec![("x-delay", AMQPValue::Double(1.5))], 10),
+        ("bad-type", vec![("x-delay", AMQPValue::Boolean(true))], 10),
         (
             "bad-at",
             vec![(

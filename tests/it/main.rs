@@ -7,6 +7,7 @@ mod adversarial;
 mod bad_input;
 mod cli;
 mod client;
+mod clients;
 mod common;
 mod delayed;
 mod delayed_chaos;

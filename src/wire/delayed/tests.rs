@@ -62,6 +62,62 @@ fn x_delay_in_any_integer_type_or_digits() {
     }
 }
 
+fn f64(x: f64) -> Value {
+    Value::F64(x.to_bits())
+}
+
+#[test]
+fn x_delay_as_a_float_double_or_decimal_counts_its_whole_milliseconds() {
+    for v in [
+        f64(2500.0),
+        Value::F32(2500f32.to_bits()),
+        Value::Decimal {
+            scale: 1,
+            value: 25_000,
+        },
+        // The fraction is dropped, as the plugin does (Erlang's `trunc`).
+        f64(2500.9),
+        Value::Decimal {
+            scale: 3,
+            value: 2_500_999,
+        },
+    ] {
+        let s = stored(arriving(vec![("x-delay", v.clone())], b""));
+        assert_eq!(s.due, Due::After(Duration::from_millis(2500)), "{v:?}");
+        assert_eq!(s.held, None, "{v:?}");
+    }
+    for v in [
+        f64(0.9),
+        f64(-0.0),
+        f64(-2500.0),
+        f64(f64::NEG_INFINITY),
+        Value::Decimal {
+            scale: 255,
+            value: u32::MAX,
+        },
+    ] {
+        let s = stored(arriving(vec![("x-delay", v.clone())], b""));
+        assert_eq!(s.due, Due::After(Duration::ZERO), "{v:?}");
+        assert_eq!(s.held, None, "{v:?}");
+    }
+}
+
+#[test]
+fn x_delay_nan_is_bad_input_and_infinity_or_huge_is_too_late() {
+    let nan = stored(arriving(vec![("x-delay", f64(f64::NAN))], b""));
+    let held = nan.held.expect("held");
+    assert_eq!(held.bound, Bound::BadInput);
+    assert!(held.why.contains("double NaN"), "{}", held.why);
+    assert_eq!(nan.due, Due::After(Duration::ZERO));
+    for v in [f64(f64::INFINITY), f64(1e300), f64(3_600_001.0)] {
+        let s = stored(arriving(vec![("x-delay", v.clone())], b""));
+        let held = s.held.expect("held");
+        assert_eq!(held.bound, Bound::TooLate, "{v:?}");
+        assert!(held.why.contains("double"), "{}", held.why);
+        assert_eq!(s.due, Due::After(Duration::from_secs(3600)), "{v:?}");
+    }
+}
+
 #[test]
 fn absent_zero_or_negative_delay_is_due_at_once() {
     for h in [
@@ -110,7 +166,7 @@ fn bad_input_is_kept_and_held_with_every_reason() {
         "counted under the weightiest bound"
     );
     assert!(s.body.is_empty(), "a body over max_body is not stored");
-    for bad in [Value::F64(1.5f64.to_bits()), Value::I64(i64::MAX)] {
+    for bad in [Value::F64(f64::NAN.to_bits()), Value::I64(i64::MAX)] {
         assert!(stored(arriving(vec![("x-delay", bad)], b"")).held.is_some());
     }
     let at = stored(arriving(
