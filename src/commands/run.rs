@@ -16,7 +16,7 @@ use crate::daemon::{self, Exit};
 
 /// The one line `timeoutd run` prints on stdout, once HTTP is bound and the node id is
 /// chosen (logs go to stderr): how supervisors and tests learn who the daemon is and
-/// where it serves `/status`. A documented interface (README, "Commands"): fields are
+/// where it serves `/status`. A documented interface (docs/operating/running.md): fields are
 /// only ever added.
 #[derive(Debug, Serialize)]
 struct Ready<'a> {

@@ -83,7 +83,7 @@ async fn run_prints_one_ready_line_naming_the_node_and_its_http_address() {
     assert_eq!(
         fields,
         BTreeSet::from(["ready", "node_id", "group", "http_addr", "version"]),
-        "the documented fields (README, Commands): {ready}"
+        "the documented fields (docs/operating/running.md): {ready}"
     );
     assert_eq!(ready["ready"], true, "{ready}");
     assert_eq!(ready["group"], world.group.as_str(), "{ready}");
@@ -113,7 +113,7 @@ async fn run_prints_one_ready_line_naming_the_node_and_its_http_address() {
     world.cleanup().await;
 }
 
-/// The README walk-through: a daemon binary, `timeoutd expect --in`, exactly one TimeOut;
+/// The walk-through of docs/integrating/timeouts.md: a daemon binary, `timeoutd expect --in`, exactly one TimeOut;
 /// `timeoutd pending` and `members --once --json` see the state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expect_command_fires_one_timeout_through_the_daemon_binary() {

@@ -179,7 +179,7 @@ async fn metrics_and_status_follow_role_changes_and_firing() {
     world.cleanup().await;
 }
 
-/// Every series the README documents, read from /metrics after the event it counts:
+/// Every series docs/operating/metrics.md documents, read from /metrics after the event it counts:
 /// start (role, candidate, members, connections, announcements), a junk announcement,
 /// TimeOuts fired (count, lateness, scan duration), an unroutable row (failure by reason,
 /// pending counts), a row the process manager's foreign key keeps (parked).

@@ -1,4 +1,4 @@
-//! Firing on the dot (README "Firing on the dot"): rows that come due within
+//! Firing on the dot (docs/design/firing-on-the-dot.md): rows that come due within
 //! `scan.horizon` are locked ahead and each is sent at its own due time, never before it;
 //! a process manager that cancels or moves a row while it is held waits for that batch
 //! and gets an answer that matches what the consumer sees; a backlog drains oldest first

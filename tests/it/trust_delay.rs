@@ -42,7 +42,7 @@ struct Stage {
 }
 
 impl Stage {
-    /// With `minimal`, the daemon's user has only the rights the README's Security notes
+    /// With `minimal`, the daemon's user has only the rights SECURITY.md ("Rights each part needs")
     /// give it for delayed messages (and the election); otherwise everything in the vhost,
     /// so that only timeoutd's own rule stands between a publisher and other exchanges.
     async fn new(minimal: bool, overrides: &[(&str, &str)]) -> Self {
