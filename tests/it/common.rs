@@ -159,9 +159,11 @@ pub struct World {
     pub overrides: Vec<(String, String)>,
 }
 
-/// The daemons' logs on stderr when `RUST_LOG` is set (e.g.
-/// `RUST_LOG=timeoutd::scheduler=trace cargo nextest run … --no-capture`).
-fn trace_when_asked() {
+/// The in-process daemons' logs on stderr when `RUST_LOG` is set (e.g.
+/// `RUST_LOG=timeoutd::scheduler=debug cargo test --test it firing:: -- --nocapture`).
+/// Only then: the subscriber is the process's, and under `cargo test` every test of the
+/// binary shares the process (each one's expected errors would be printed amid the rest).
+pub fn trace_when_asked() {
     if std::env::var_os("RUST_LOG").is_some() {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
