@@ -724,3 +724,34 @@ fn tail(log: &Mutex<Vec<String>>) -> String {
     let from = log.len().saturating_sub(40);
     log[from..].join("\n")
 }
+
+/// The defaults above are what `tests/services.yml` publishes, on loopback only.
+#[test]
+fn the_defaults_are_the_test_services_ports() {
+    let text = std::fs::read_to_string(SERVICES).expect("tests/services.yml");
+    let file: serde_yaml::Value = serde_yaml::from_str(&text).expect("yaml");
+    let published = |service: &str| -> Vec<String> {
+        file["services"][service]["ports"]
+            .as_sequence()
+            .unwrap_or_else(|| panic!("{service} publishes no ports"))
+            .iter()
+            .map(|p| p.as_str().expect("a port as a string").to_owned())
+            .collect()
+    };
+    let port = |url: &str| host_port(url).rsplit(':').next().expect("port").to_owned();
+    let defaults = [
+        ("rabbitmq", "TIMEOUTD_TEST_AMQP_URL", amqp_url(), 5672),
+        ("rabbitmq", "TIMEOUTD_TEST_AMQPS_URL", amqps_url(), 5671),
+        ("postgres", "TIMEOUTD_TEST_PG_URL", pg_url(), 5432),
+    ];
+    for (service, var, url, inside) in defaults {
+        if std::env::var_os(var).is_some() {
+            continue; // another service: nothing to compare
+        }
+        let mapping = format!("127.0.0.1:{}:{inside}", port(&url));
+        assert!(
+            published(service).contains(&mapping),
+            "{service} in tests/services.yml does not publish {mapping} ({var} default {url})"
+        );
+    }
+}
