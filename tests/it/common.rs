@@ -172,11 +172,31 @@ pub fn trace_when_asked() {
     }
 }
 
+/// Fail at once, with the cause, when Postgres is not there: a pool retries a refused
+/// connection until its acquire timeout (30 s per test) and then names only the timeout.
+/// Once per process.
+async fn require_postgres(url: &str) {
+    use sqlx::Connection as _;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static ANSWERED: AtomicBool = AtomicBool::new(false);
+    if ANSWERED.load(Ordering::Relaxed) {
+        return;
+    }
+    match sqlx::PgConnection::connect(url).await {
+        Ok(conn) => {
+            let _ = conn.close().await;
+            ANSWERED.store(true, Ordering::Relaxed);
+        }
+        Err(e) => panic!("Postgres at {url} does not answer ({e}); {START_SERVICES}"),
+    }
+}
+
 impl World {
     pub async fn new() -> Self {
         trace_when_asked();
         let tag = Uuid::new_v4().simple().to_string()[..12].to_owned();
         let url = pg_url();
+        require_postgres(&url).await;
         let pool = PgPool::connect(&url).await.unwrap_or_else(|e| {
             panic!("Postgres at {url} does not answer ({e}); {START_SERVICES}")
         });
