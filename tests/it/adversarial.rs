@@ -824,10 +824,7 @@ fn knob(name: &str, default: u64) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_mixes_of_hostile_rows_keep_every_promise() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .try_init();
+    crate::common::trace_when_asked();
     let cases = knob("ADVERSARIAL_CASES", 3);
     let rows = knob("ADVERSARIAL_ROWS", 300) as usize;
     let first = knob("ADVERSARIAL_SEED", 0x5eed);

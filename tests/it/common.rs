@@ -1,10 +1,12 @@
-//! Test harness against the real RabbitMQ and Postgres on this machine. Every test gets
+//! Test harness against a real RabbitMQ and Postgres: the test services of
+//! `tests/services.yml`, or others the `TIMEOUTD_TEST_*` variables name. Every test gets
 //! its own schema, group and queues, so tests run in parallel and repeatably.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -23,19 +25,35 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-/// Where the tests find RabbitMQ and Postgres: this machine's by default; another pair
-/// (RabbitMQ 4.3 and Postgres 18 of the compose stack, in CI) through the environment.
+/// The compose file of the test services (`docker compose -f tests/services.yml up -d
+/// --wait`): where the tests find RabbitMQ and Postgres unless the `TIMEOUTD_TEST_*`
+/// variables name others (CI's main stage: the machine's own, `.ci/local-services.env`).
+/// The defaults below are its published ports; nothing falls back to the standard ones.
+pub const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/services.yml");
+
+/// What to do when a service does not answer, for panic messages.
+pub const START_SERVICES: &str = "start the test services with `docker compose -f \
+    tests/services.yml up -d --wait`, or point TIMEOUTD_TEST_* at others (docs/testing.md)";
+
 pub fn amqp_url() -> String {
     service(
         "TIMEOUTD_TEST_AMQP_URL",
-        "amqp://guest:guest@127.0.0.1:5672/%2f",
+        "amqp://guest:guest@127.0.0.1:24672/%2f",
     )
 }
 
 pub fn pg_url() -> String {
     service(
         "TIMEOUTD_TEST_PG_URL",
-        "postgres://postgres@127.0.0.1:5432/postgres",
+        "postgres://postgres@127.0.0.1:24432/postgres",
+    )
+}
+
+/// The broker's TLS listener, its certificate signed by [`tls_ca`] for the URL's host.
+pub fn amqps_url() -> String {
+    service(
+        "TIMEOUTD_TEST_AMQPS_URL",
+        "amqps://guest:guest@localhost:24671/%2f",
     )
 }
 
@@ -49,25 +67,85 @@ pub fn pg_addr() -> String {
     host_port(&pg_url())
 }
 
-/// `rabbitmqctl` for the broker under test (`TIMEOUTD_TEST_RABBITMQCTL`, e.g. `docker exec
-/// NAME rabbitmqctl`).
+/// `rabbitmqctl` for the broker under test: `TIMEOUTD_TEST_RABBITMQCTL` (words split at
+/// white space, e.g. `rabbitmqctl` or `docker exec NAME rabbitmqctl`), by default the
+/// test services' through `docker compose exec`.
 pub fn rabbitmqctl() -> tokio::process::Command {
-    let line = service("TIMEOUTD_TEST_RABBITMQCTL", "rabbitmqctl");
-    let mut words = line.split_whitespace();
-    let mut cmd = tokio::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
-    cmd.args(words);
+    match std::env::var("TIMEOUTD_TEST_RABBITMQCTL") {
+        Ok(line) => {
+            let mut words = line.split_whitespace();
+            let mut cmd = tokio::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
+            cmd.args(words);
+            cmd
+        }
+        Err(_) => {
+            let mut cmd = services_exec("rabbitmq");
+            cmd.arg("rabbitmqctl");
+            cmd.into()
+        }
+    }
+}
+
+/// `docker compose exec -T SERVICE` in the test services.
+fn services_exec(service: &str) -> std::process::Command {
+    let mut cmd = std::process::Command::new("docker");
+    cmd.args(["compose", "-f", SERVICES, "exec", "-T", service])
+        // The project is the file's own (`name:`), whatever a shell set for another.
+        .env_remove("COMPOSE_PROJECT_NAME")
+        .env_remove("COMPOSE_FILE");
     cmd
+}
+
+/// The CA that signed the TLS listeners' certificate (for [`amqps_url`] and for
+/// [`pg_url`] with an `sslmode`): `TIMEOUTD_TEST_TLS_CA`, by default the test services'
+/// (copied once per process from their volume). The server's own certificate,
+/// `server.pem`, lies beside it (as `.ci/tls-setup` and the test services leave them).
+pub fn tls_ca() -> Result<PathBuf, String> {
+    static CA: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    CA.get_or_init(|| match std::env::var_os("TIMEOUTD_TEST_TLS_CA") {
+        Some(path) => Ok(PathBuf::from(path)),
+        None => copy_services_tls(),
+    })
+    .clone()
+}
+
+/// Copy `ca.pem` and `server.pem` out of the test services' `tls` volume into this
+/// build's scratch directory. Each file is written whole under a name of this process's
+/// and renamed: test processes run at once.
+fn copy_services_tls() -> Result<PathBuf, String> {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("test-services-tls");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for name in ["ca.pem", "server.pem"] {
+        let out = services_exec("rabbitmq")
+            .args(["cat", &format!("/tls/{name}")])
+            .output()
+            .map_err(|e| format!("docker compose exec: {e}"))?;
+        if !out.status.success() || out.stdout.is_empty() {
+            return Err(format!(
+                "cannot read /tls/{name} from the test services ({}): {START_SERVICES}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let path = dir.join(name);
+        let part = dir.join(format!("{name}.{}", std::process::id()));
+        std::fs::write(&part, &out.stdout)
+            .and_then(|()| std::fs::rename(&part, &path))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(dir.join("ca.pem"))
 }
 
 fn service(var: &str, default: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| default.to_owned())
 }
 
-fn host_port(url: &str) -> String {
+/// `host:port` of a service URL, with its scheme's standard port when it names none.
+pub fn host_port(url: &str) -> String {
     let url = url::Url::parse(url).expect("service URL");
     let host = url.host_str().expect("host");
     let port = url.port_or_known_default().unwrap_or(match url.scheme() {
         "amqp" => 5672,
+        "amqps" => 5671,
         _ => 5432,
     });
     format!("{host}:{port}")
@@ -81,9 +159,11 @@ pub struct World {
     pub overrides: Vec<(String, String)>,
 }
 
-/// The daemons' logs on stderr when `RUST_LOG` is set (e.g.
-/// `RUST_LOG=timeoutd::scheduler=trace cargo nextest run … --no-capture`).
-fn trace_when_asked() {
+/// The in-process daemons' logs on stderr when `RUST_LOG` is set (e.g.
+/// `RUST_LOG=timeoutd::scheduler=debug cargo test --test it firing:: -- --nocapture`).
+/// Only then: the subscriber is the process's, and under `cargo test` every test of the
+/// binary shares the process (each one's expected errors would be printed amid the rest).
+pub fn trace_when_asked() {
     if std::env::var_os("RUST_LOG").is_some() {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -92,13 +172,34 @@ fn trace_when_asked() {
     }
 }
 
+/// Fail at once, with the cause, when Postgres is not there: a pool retries a refused
+/// connection until its acquire timeout (30 s per test) and then names only the timeout.
+/// Once per process.
+async fn require_postgres(url: &str) {
+    use sqlx::Connection as _;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static ANSWERED: AtomicBool = AtomicBool::new(false);
+    if ANSWERED.load(Ordering::Relaxed) {
+        return;
+    }
+    match sqlx::PgConnection::connect(url).await {
+        Ok(conn) => {
+            let _ = conn.close().await;
+            ANSWERED.store(true, Ordering::Relaxed);
+        }
+        Err(e) => panic!("Postgres at {url} does not answer ({e}); {START_SERVICES}"),
+    }
+}
+
 impl World {
     pub async fn new() -> Self {
         trace_when_asked();
         let tag = Uuid::new_v4().simple().to_string()[..12].to_owned();
-        let pool = PgPool::connect(&pg_url())
-            .await
-            .expect("postgres reachable");
+        let url = pg_url();
+        require_postgres(&url).await;
+        let pool = PgPool::connect(&url).await.unwrap_or_else(|e| {
+            panic!("Postgres at {url} does not answer ({e}); {START_SERVICES}")
+        });
         let world = Self {
             schema: format!("t_{tag}"),
             group: format!("g-{tag}"),
@@ -204,7 +305,7 @@ pub async fn amqp() -> Connection {
 pub async fn amqp_at(url: &str) -> Connection {
     Connection::connect(url, ConnectionProperties::default())
         .await
-        .expect("rabbitmq reachable")
+        .unwrap_or_else(|e| panic!("RabbitMQ at {url} does not answer ({e}); {START_SERVICES}"))
 }
 
 /// A received TimeOut.
@@ -642,4 +743,35 @@ fn tail(log: &Mutex<Vec<String>>) -> String {
     let log = log.lock().unwrap_or_else(|e| e.into_inner());
     let from = log.len().saturating_sub(40);
     log[from..].join("\n")
+}
+
+/// The defaults above are what `tests/services.yml` publishes, on loopback only.
+#[test]
+fn the_defaults_are_the_test_services_ports() {
+    let text = std::fs::read_to_string(SERVICES).expect("tests/services.yml");
+    let file: serde_yaml::Value = serde_yaml::from_str(&text).expect("yaml");
+    let published = |service: &str| -> Vec<String> {
+        file["services"][service]["ports"]
+            .as_sequence()
+            .unwrap_or_else(|| panic!("{service} publishes no ports"))
+            .iter()
+            .map(|p| p.as_str().expect("a port as a string").to_owned())
+            .collect()
+    };
+    let port = |url: &str| host_port(url).rsplit(':').next().expect("port").to_owned();
+    let defaults = [
+        ("rabbitmq", "TIMEOUTD_TEST_AMQP_URL", amqp_url(), 5672),
+        ("rabbitmq", "TIMEOUTD_TEST_AMQPS_URL", amqps_url(), 5671),
+        ("postgres", "TIMEOUTD_TEST_PG_URL", pg_url(), 5432),
+    ];
+    for (service, var, url, inside) in defaults {
+        if std::env::var_os(var).is_some() {
+            continue; // another service: nothing to compare
+        }
+        let mapping = format!("127.0.0.1:{}:{inside}", port(&url));
+        assert!(
+            published(service).contains(&mapping),
+            "{service} in tests/services.yml does not publish {mapping} ({var} default {url})"
+        );
+    }
 }

@@ -59,8 +59,8 @@ async fn eval(expr: &str) -> String {
 
 impl BrokerLimit {
     /// Set it, and check on a new connection that the broker takes it: RabbitMQ 3.x
-    /// does at runtime, 4.x reads it when it boots (`.ci/compose.ci.yml` starts the
-    /// suite's 4.x broker with it).
+    /// does at runtime, 4.x reads it when it boots (`tests/services.yml` starts the
+    /// suite's broker with it).
     async fn set(bytes: usize) -> Self {
         let old = eval("application:get_env(rabbit, max_message_size).").await;
         // `{ok,134217728}`, or `undefined` for the broker's default.
@@ -76,8 +76,8 @@ impl BrokerLimit {
         assert!(
             refuses(bytes + 1024).await,
             "the broker took a message over max_message_size = {bytes} (RabbitMQ 4.x reads \
-             it only when it boots: start it with RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=\
-             \"-rabbit max_message_size {bytes}\")"
+             it only when it boots: start it with max_message_size = {bytes} in its \
+             configuration, as tests/services.yml does)"
         );
         limit
     }

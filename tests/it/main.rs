@@ -1,7 +1,7 @@
-//! Integration tests against a real RabbitMQ and Postgres: the machine's own
-//! (127.0.0.1:5672, 127.0.0.1:5432) unless `TIMEOUTD_TEST_AMQP_URL`,
-//! `TIMEOUTD_TEST_PG_URL` and `TIMEOUTD_TEST_RABBITMQCTL` name others. One binary, one
-//! module per concern.
+//! Integration tests against a real RabbitMQ and Postgres: the test services of
+//! `tests/services.yml` unless the `TIMEOUTD_TEST_*` variables name others (see
+//! docs/testing.md and `common`). One binary, one module per concern; its tests run as
+//! well as threads of one process (`cargo test`) as each in a process (`cargo nextest`).
 
 mod adversarial;
 mod bad_input;

@@ -1,7 +1,7 @@
 //! Real broker principals for the trust tests: a vhost of the test's own, and users in it
-//! with exactly the rights a deployment would give them (`rabbitmqctl`, through
-//! `TIMEOUTD_TEST_RABBITMQCTL` for another broker). Nothing here is mocked: what a user
-//! may not do, the broker refuses.
+//! with exactly the rights a deployment would give them (`rabbitmqctl` of the broker
+//! under test: `common::rabbitmqctl`). Nothing here is mocked: what a user may not do,
+//! the broker refuses.
 
 use uuid::Uuid;
 

@@ -1,42 +1,78 @@
-//! Transport security against the TLS listeners `.ci/tls-setup` adds to the local
-//! services: RabbitMQ on localhost:5671 and Postgres with `ssl = on`, both with a
-//! certificate for `localhost` from a throwaway CA. Nothing is skipped: without that setup
-//! these tests fail and say how to get it.
+//! Transport security against TLS listeners beside the plain ones: RabbitMQ's AMQPS
+//! listener ([`amqps_url`]) and Postgres with `ssl = on` (the plain [`pg_url`] with an
+//! `sslmode`), both with a certificate for the URLs' host from a throwaway CA
+//! ([`tls_ca`]). The test services (`tests/services.yml`) have them; so do the machine's
+//! own services after `.ci/tls-setup` (CI's main stage, `.ci/local-services.env`).
+//! Nothing is skipped: without them these tests fail and say how to get them.
 
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
 use timeoutd::client::Expectation;
 use timeoutd::election::Role;
 
-use crate::common::{Inbox, PATIENCE, Proc, World, pg_url, wait_for, wait_for_async};
+use crate::common::{
+    Inbox, PATIENCE, Proc, World, amqps_url, pg_url, tls_ca, wait_for, wait_for_async,
+};
 use crate::http::get;
 
-const TLS_DIR: &str = "/var/tmp/timeoutd-tls";
-const CA: &str = "/var/tmp/timeoutd-tls/ca.pem";
-/// Not a CA: the server's own certificate. Trusting it alone does not verify the server.
-const WRONG_CA: &str = "/var/tmp/timeoutd-tls/server.pem";
-const AMQPS_URL: &str = "amqps://guest:guest@localhost:5671/%2f";
-const PG_VERIFY_FULL: &str = "postgres://postgres@localhost:5432/postgres?sslmode=verify-full";
-const PG_REQUIRE: &str = "postgres://postgres@localhost:5432/postgres?sslmode=require";
-const SETUP: &str = "the TLS listeners are not set up: run `bash .ci/tls-setup` (as root) first";
+const SETUP: &str = "the TLS tests need the test services (`docker compose -f \
+    tests/services.yml up -d --wait`) or TLS listeners of the services the TIMEOUTD_TEST_* \
+    variables name (`.ci/tls-setup`, as root, for this machine's own)";
 
-/// Fail, naming the fix, unless `.ci/tls-setup` has run.
-async fn require_tls_setup(world: &World) {
-    assert!(Path::new(CA).is_file(), "{CA} is missing; {SETUP}");
-    if let Err(e) = tokio::net::TcpStream::connect("127.0.0.1:5671").await {
-        panic!("RabbitMQ does not listen on 127.0.0.1:5671 ({e}); {SETUP}");
-    }
-    let (ssl, cert): (String, String) =
-        sqlx::query_as("SELECT current_setting('ssl'), current_setting('ssl_cert_file')")
+/// The TLS settings of the services under test: the CA that signed their certificate,
+/// a certificate that is not a CA (the server's own: trusting it alone does not verify
+/// the server), the AMQPS URL.
+struct Tls {
+    ca: String,
+    wrong_ca: String,
+    amqps: String,
+}
+
+impl Tls {
+    /// The settings, after checking that the listeners are there (failing, naming the
+    /// fix, when they are not).
+    async fn require(world: &World) -> Self {
+        let ca: PathBuf = tls_ca().unwrap_or_else(|e| panic!("{e}; {SETUP}"));
+        assert!(ca.is_file(), "the CA {} is missing; {SETUP}", ca.display());
+        let wrong_ca = ca.with_file_name("server.pem");
+        assert!(
+            wrong_ca.is_file(),
+            "{} is missing; {SETUP}",
+            wrong_ca.display()
+        );
+        let amqps = amqps_url();
+        let addr = crate::common::host_port(&amqps);
+        if let Err(e) = tokio::net::TcpStream::connect(&addr).await {
+            panic!("RabbitMQ does not listen on {addr} ({e}); {SETUP}");
+        }
+        let ssl: String = sqlx::query_scalar("SELECT current_setting('ssl')")
             .fetch_one(&world.pool)
             .await
             .expect("postgres answers");
-    assert!(
-        ssl == "on" && cert.starts_with(TLS_DIR),
-        "Postgres has ssl = {ssl}, ssl_cert_file = {cert}; {SETUP}"
-    );
+        assert!(ssl == "on", "Postgres has ssl = {ssl}; {SETUP}");
+        Self {
+            ca: ca.display().to_string(),
+            wrong_ca: wrong_ca.display().to_string(),
+            amqps,
+        }
+    }
+}
+
+/// [`pg_url`] with `sslmode` set to `mode`.
+fn pg_tls_url(mode: &str) -> String {
+    let mut url = url::Url::parse(&pg_url()).expect("pg url");
+    let others: Vec<(String, String)> = url
+        .query_pairs()
+        .filter(|(k, _)| k != "sslmode")
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    url.query_pairs_mut()
+        .clear()
+        .extend_pairs(others)
+        .append_pair("sslmode", mode);
+    url.to_string()
 }
 
 fn set(world: &mut World, var: &str, value: &str) {
@@ -69,11 +105,15 @@ fn timeoutd(world: &World, args: &[&str]) -> Output {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fires_over_amqps_and_verified_postgres_tls() {
     let mut world = World::new().await;
-    require_tls_setup(&world).await;
-    set(&mut world, "TIMEOUTD__AMQP__URL", AMQPS_URL);
-    set(&mut world, "TIMEOUTD__AMQP__CA_FILE", CA);
-    set(&mut world, "TIMEOUTD__POSTGRES__URL", PG_VERIFY_FULL);
-    set(&mut world, "TIMEOUTD__POSTGRES__CA_FILE", CA);
+    let tls = Tls::require(&world).await;
+    set(&mut world, "TIMEOUTD__AMQP__URL", &tls.amqps);
+    set(&mut world, "TIMEOUTD__AMQP__CA_FILE", &tls.ca);
+    set(
+        &mut world,
+        "TIMEOUTD__POSTGRES__URL",
+        &pg_tls_url("verify-full"),
+    );
+    set(&mut world, "TIMEOUTD__POSTGRES__CA_FILE", &tls.ca);
 
     let (ssl, version) = session_ssl(&world).await.expect("verify-full session");
     assert!(ssl, "the daemon's Postgres session is not encrypted");
@@ -120,8 +160,8 @@ async fn fires_over_amqps_and_verified_postgres_tls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqps_without_the_ca_is_refused() {
     let mut world = World::new().await;
-    require_tls_setup(&world).await;
-    set(&mut world, "TIMEOUTD__AMQP__URL", AMQPS_URL);
+    let tls = Tls::require(&world).await;
+    set(&mut world, "TIMEOUTD__AMQP__URL", &tls.amqps);
     world.migrate().await;
     let node = Proc::spawn(&world).await;
     wait_for(
@@ -157,8 +197,12 @@ async fn amqps_without_the_ca_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_verify_full_needs_the_ca() {
     let mut world = World::new().await;
-    require_tls_setup(&world).await;
-    set(&mut world, "TIMEOUTD__POSTGRES__URL", PG_VERIFY_FULL);
+    let tls = Tls::require(&world).await;
+    set(
+        &mut world,
+        "TIMEOUTD__POSTGRES__URL",
+        &pg_tls_url("verify-full"),
+    );
 
     let refused = timeoutd(&world, &["migrate"]);
     let err = String::from_utf8_lossy(&refused.stderr);
@@ -172,24 +216,28 @@ async fn postgres_verify_full_needs_the_ca() {
         .await
         .expect_err("verify-full without the CA must not connect");
 
-    set(&mut world, "TIMEOUTD__POSTGRES__CA_FILE", CA);
+    set(&mut world, "TIMEOUTD__POSTGRES__CA_FILE", &tls.ca);
     let ok = timeoutd(&world, &["migrate"]);
     assert!(ok.status.success(), "verify-full with the CA: {ok:?}");
     assert_eq!(world.count("true").await, 0, "schema created");
 
     // require: encrypted, certificate not checked.
     world.overrides.clear();
-    set(&mut world, "TIMEOUTD__POSTGRES__URL", PG_REQUIRE);
+    set(
+        &mut world,
+        "TIMEOUTD__POSTGRES__URL",
+        &pg_tls_url("require"),
+    );
     let (ssl, _) = session_ssl(&world).await.expect("require session");
     assert!(ssl, "sslmode=require is not encrypted");
     // require + a root certificate that does not sign the server's: refused.
-    set(&mut world, "TIMEOUTD__POSTGRES__CA_FILE", WRONG_CA);
+    set(&mut world, "TIMEOUTD__POSTGRES__CA_FILE", &tls.wrong_ca);
     let err = session_ssl(&world)
         .await
         .expect_err("require with a root certificate verifies the chain");
     assert!(err.contains("certificate"), "{err}");
     // The plain listener of the other tests is untouched.
-    let plain = sqlx::PgPool::connect(&format!("{}?sslmode=disable", pg_url()))
+    let plain = sqlx::PgPool::connect(&pg_tls_url("disable"))
         .await
         .expect("plain connection still accepted");
     plain.close().await;

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CACHE = ROOT / "target" / "recipes"
 PY = CACHE / "venv" / "bin" / "python"
-AMQP_URL = os.environ.get("TIMEOUTD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f")
-PG_URL = os.environ.get("TIMEOUTD_TEST_PG_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+AMQP_URL = os.environ.get("TIMEOUTD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:24672/%2f")
+PG_URL = os.environ.get("TIMEOUTD_TEST_PG_URL", "postgres://postgres@127.0.0.1:24432/postgres")
 DAEMON = ROOT / "target" / "debug" / "timeoutd"
 # How long a recipe may take to show its messages (generous: a loaded CI machine).
 PATIENCE = 60.0
