@@ -366,7 +366,8 @@ pub(crate) async fn main() -> Result<()> {
         .await;
     }
     if let (true, Some(plan)) = (args.only_big_neighbours, plan.neighbours) {
-        let measure = async |env: &Env, daemon: &mut Daemon| big_neighbours(env, daemon, plan).await;
+        let measure =
+            async |env: &Env, daemon: &mut Daemon| big_neighbours(env, daemon, plan).await;
         return only_phase(
             &args,
             daemon_bin,

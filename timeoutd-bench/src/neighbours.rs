@@ -50,7 +50,10 @@ pub(crate) async fn big_neighbours(
         let after = daemon
             .scrape_after(&before, rows.delivery.distinct as u64, SETTLE_LIMIT)
             .await?;
-        let sql = format!("SELECT count(*) FROM {} WHERE routing_key = $1", env.table());
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE routing_key = $1",
+            env.table()
+        );
         let left: i64 = sqlx::query_scalar(AssertSqlSafe(sql))
             .bind(&sink)
             .fetch_one(&env.pool)
@@ -73,14 +76,15 @@ pub(crate) async fn big_neighbours(
 async fn declare_sink(amqp: &Connection, queue: &str) -> Result<()> {
     let channel = amqp.create_channel().await?;
     let mut args = FieldTable::default();
-    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongLongInt(0));
+    args.insert(
+        "x-max-length".into(),
+        lapin::types::AMQPValue::LongLongInt(0),
+    );
     let options = QueueDeclareOptions {
         auto_delete: false,
         ..QueueDeclareOptions::default()
     };
-    channel
-        .queue_declare(queue.into(), options, args)
-        .await?;
+    channel.queue_declare(queue.into(), options, args).await?;
     Ok(())
 }
 
