@@ -26,7 +26,8 @@ pub(super) struct Hosts {
     labels: Vec<String>,
     target: TargetSession,
     connect_timeout: Duration,
-    /// The host the pool's options point at.
+    /// The host the pool's options point at (`usize::MAX` until the first use, so that
+    /// the first host chosen is logged too).
     applied: AtomicUsize,
     /// The host a hook found; applied to the pool by the next [`Hosts::ready`].
     found: AtomicUsize,
@@ -74,7 +75,7 @@ impl Hosts {
             labels,
             target: parsed.target,
             connect_timeout: settings.connect_timeout,
-            applied: AtomicUsize::new(0),
+            applied: AtomicUsize::new(usize::MAX),
             found: AtomicUsize::new(0),
             looking: tokio::sync::Mutex::new(()),
         };

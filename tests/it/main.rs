@@ -3,6 +3,7 @@
 //! `TIMEOUTD_TEST_PG_URL` and `TIMEOUTD_TEST_RABBITMQCTL` name others. One binary, one
 //! module per concern.
 
+mod addresses;
 mod adversarial;
 mod bad_input;
 mod cli;
