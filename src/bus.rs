@@ -52,6 +52,8 @@ pub enum BusError {
     ConnectionLost,
     #[error("amqp: {what} timed out after {after:?}")]
     Timeout { what: &'static str, after: Duration },
+    #[error("amqp: none of the {0} addresses of amqp.url could be connected (each logged)")]
+    NoAddress(usize),
 }
 
 /// Bound an AMQP operation by `after`.
@@ -79,26 +81,70 @@ pub struct Bus {
     group: String,
     /// The broker user of `amqp.url`: our announcements' `user_id`.
     user: String,
+    /// The URL (redacted) this connection was opened with.
+    address: String,
 }
 
-/// The broker user `amqp.url` logs in as (lapin's default `guest` when it names none).
+/// The broker user `amqp.url` logs in as (lapin's default `guest` when it names none);
+/// every URL of the list names the same one (see `config`).
 pub fn broker_user(settings: &config::Amqp) -> Result<String, BusError> {
-    AMQPUri::from_str(settings.url.expose())
+    let url = settings
+        .url
+        .first()
+        .ok_or_else(|| BusError::Url("no URL".to_owned()))?;
+    AMQPUri::from_str(url.expose())
         .map(|uri| uri.authority.userinfo.username)
-        .map_err(|e| BusError::Url(format!("{e}: {}", settings.url.redacted())))
+        .map_err(|e| BusError::Url(format!("{e}: {}", url.redacted())))
+}
+
+/// The order in which the URLs of `amqp.url` are tried: a fresh random order at every
+/// connect, as RabbitMQ's Java and .NET clients do, so that many daemons spread over a
+/// cluster's nodes and none keeps returning to a node that is down.
+fn address_order(settings: &config::Amqp) -> Vec<&config::SecretUrl> {
+    use rand::seq::SliceRandom;
+    let mut urls: Vec<_> = settings.url.iter().collect();
+    urls.shuffle(&mut rand::rng());
+    urls
 }
 
 impl Bus {
     /// Connect and declare: durable topic exchange, exclusive auto-delete server-named
     /// queue bound with the group as routing key. Returns the bus and its consumer.
+    ///
+    /// With several URLs each is tried in turn (see [`address_order`]), each bounded by
+    /// `amqp.connect_timeout`; the first that connects and declares is used.
     pub async fn connect(
+        settings: &config::Amqp,
+        group: &str,
+        name: &str,
+    ) -> Result<(Self, Announcements), BusError> {
+        let urls = address_order(settings);
+        let tried = urls.len();
+        if let [url] = urls.as_slice() {
+            return Self::connect_to(url, settings, group, name).await;
+        }
+        for url in urls {
+            match Self::connect_to(url, settings, group, name).await {
+                Ok(connected) => return Ok(connected),
+                Err(e) => tracing::warn!(
+                    address = %url.redacted(),
+                    error = %crate::telemetry::Chain(&e),
+                    "cannot connect to this RabbitMQ address; trying the next"
+                ),
+            }
+        }
+        Err(BusError::NoAddress(tried))
+    }
+
+    async fn connect_to(
+        url: &config::SecretUrl,
         settings: &config::Amqp,
         group: &str,
         name: &str,
     ) -> Result<(Self, Announcements), BusError> {
         let limit = settings.connect_timeout;
         let user = broker_user(settings)?;
-        let conn = match timeout(limit, open(settings, name)).await {
+        let conn = match timeout(limit, open(url, settings, name)).await {
             Ok(conn) => conn?,
             Err(_) => {
                 return Err(BusError::Timeout {
@@ -117,8 +163,14 @@ impl Bus {
             settings: settings.clone(),
             group: group.to_owned(),
             user,
+            address: url.redacted(),
         };
         Ok((bus, Announcements { consumer }))
+    }
+
+    /// The URL (password redacted) of the broker this bus is connected to.
+    pub fn address(&self) -> &str {
+        &self.address
     }
 
     /// The broker user this bus is connected as.
@@ -212,9 +264,13 @@ impl Bus {
 
 /// Open the connection: URL parsed by lapin, heartbeat defaulted, TLS roots extended
 /// with `ca_file` for amqps://.
-async fn open(settings: &config::Amqp, name: &str) -> Result<Connection, BusError> {
-    let mut uri = AMQPUri::from_str(settings.url.expose())
-        .map_err(|e| BusError::Url(format!("{e}: {}", settings.url.redacted())))?;
+async fn open(
+    url: &config::SecretUrl,
+    settings: &config::Amqp,
+    name: &str,
+) -> Result<Connection, BusError> {
+    let mut uri = AMQPUri::from_str(url.expose())
+        .map_err(|e| BusError::Url(format!("{e}: {}", url.redacted())))?;
     uri.query.heartbeat.get_or_insert(DEFAULT_HEARTBEAT_SECS);
     let tls = OwnedTLSConfig {
         identity: None,

@@ -10,7 +10,9 @@ use serde::{Deserialize, Deserializer, Serialize};
 use crate::election::{Rule, Timing};
 use crate::wire::delayed::{DestinationError, Destinations, Names, Rules};
 
+mod addresses;
 mod secret_url;
+pub use addresses::{PgHosts, SecretUrls, TargetSession, pg_hosts};
 use secret_url::redact_url;
 pub use secret_url::{Secret, SecretUrl};
 
@@ -110,7 +112,8 @@ pub struct Backoff {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Amqp {
-    pub url: SecretUrl,
+    /// One or more broker URLs (see `docs/operating/addresses.md`).
+    pub url: SecretUrls,
     pub announce_exchange: String,
     #[serde(deserialize_with = "optional_path", serialize_with = "ser_opt_path")]
     pub ca_file: Option<PathBuf>,
@@ -364,12 +367,8 @@ impl Settings {
 
     /// Every rule a value must meet, each refusal naming its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        check_url("amqp.url", self.amqp.url.expose(), &["amqp", "amqps"])?;
-        check_url(
-            "postgres.url",
-            self.postgres.url.expose(),
-            &["postgres", "postgresql"],
-        )?;
+        check_amqp_urls(&self.amqp.url)?;
+        check_pg_url(&self.postgres.url)?;
         check_name("amqp.announce_exchange", &self.amqp.announce_exchange)?;
         timeoutd_client::Schema::new(&self.postgres.schema)
             .map_err(|e| ConfigError::invalid("postgres.schema", e.to_string()))?;
@@ -712,6 +711,55 @@ fn check_url(key: &str, raw: &str, schemes: &[&str]) -> Result<(), ConfigError> 
     }
     if url.host_str().is_none_or(str::is_empty) {
         return Err(ConfigError::invalid(key, "has no host"));
+    }
+    Ok(())
+}
+
+/// Every broker URL is complete and valid, and all log in as the same user to the same
+/// vhost: the user is what our announcements carry as `user_id` (and what admission
+/// trusts), the vhost is where the group lives.
+fn check_amqp_urls(urls: &SecretUrls) -> Result<(), ConfigError> {
+    const KEY: &str = "amqp.url";
+    let mut first: Option<(String, String)> = None;
+    if urls.is_empty() {
+        return Err(ConfigError::invalid(KEY, "names no broker URL"));
+    }
+    for url in urls.iter() {
+        check_url(KEY, url.expose(), &["amqp", "amqps"])?;
+        let uri: lapin::uri::AMQPUri = url
+            .expose()
+            .parse()
+            .map_err(|e| ConfigError::invalid(KEY, format!("{e}: {}", url.redacted())))?;
+        let this = (uri.authority.userinfo.username, uri.vhost);
+        match &first {
+            None => first = Some(this),
+            Some(f) if *f != this => {
+                return Err(ConfigError::invalid(
+                    KEY,
+                    format!(
+                        "every URL must log in as the same user to the same vhost \
+                         (user {:?}, vhost {:?} first; user {:?}, vhost {:?} in {})",
+                        f.0,
+                        f.1,
+                        this.0,
+                        this.1,
+                        url.redacted()
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// A single-host URL, or libpq's multi-host form: each host checked as a URL of its own.
+fn check_pg_url(url: &SecretUrl) -> Result<(), ConfigError> {
+    const KEY: &str = "postgres.url";
+    let hosts = pg_hosts(url.expose())
+        .map_err(|e| ConfigError::invalid(KEY, format!("{e}: {}", url.redacted())))?;
+    for host in &hosts.urls {
+        check_url(KEY, host.expose(), &["postgres", "postgresql"])?;
     }
     Ok(())
 }

@@ -108,10 +108,10 @@ impl NodeLoop {
                 return self.exit.unwrap_or(Exit::Stopped);
             };
             if first {
-                tracing::info!("connected to RabbitMQ");
+                tracing::info!(address = %bus.address(), "connected to RabbitMQ");
                 self.election.connected(Instant::now());
             } else {
-                tracing::info!("reconnected to RabbitMQ: probing the group again");
+                tracing::info!(address = %bus.address(), "reconnected to RabbitMQ: probing the group again");
                 self.election.bus_lost(Instant::now());
                 self.admission.restart(Utc::now());
             }

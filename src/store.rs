@@ -7,7 +7,6 @@
 //! statements are built once per store so sqlx's per-connection statement cache prepares
 //! each of them once.
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,6 +20,7 @@ use crate::config;
 mod delayed;
 mod expectations;
 mod fence;
+mod hosts;
 mod settle;
 
 pub use delayed::{
@@ -42,6 +42,14 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database: no answer within {0:?}")]
     NoAnswer(Duration),
+    #[error(
+        "database: none of the {hosts} hosts of postgres.url is usable \
+         (target_session_attrs {target:?}; each logged)"
+    )]
+    NoHost {
+        hosts: usize,
+        target: config::TargetSession,
+    },
     #[error("no statements for table {0}")]
     UnknownTable(&'static str),
 }
@@ -219,6 +227,9 @@ pub struct Store {
     pool: PgPool,
     schema: String,
     sql: Sql,
+    /// Which host of a multi-host `postgres.url` the pool uses; `None` with one host
+    /// and no `target_session_attrs`.
+    hosts: Option<Arc<hosts::Hosts>>,
 }
 
 impl Store {
@@ -246,16 +257,38 @@ impl Store {
         name: &str,
         connections: u32,
     ) -> Result<Self, StoreError> {
-        let options = connect_options(settings, name)?;
-        let pool = PgPoolOptions::new()
+        let (options, hosts) = hosts::Hosts::new(settings, |o| connect_options(settings, name, o))?;
+        let mut pool = PgPoolOptions::new()
             .max_connections(connections)
-            .acquire_timeout(settings.connect_timeout)
-            .connect_lazy_with(options);
+            .acquire_timeout(settings.connect_timeout);
+        if let Some(hosts) = &hosts {
+            pool = hosts.hooks(pool);
+        }
         Ok(Self {
-            pool,
+            pool: pool.connect_lazy_with(options),
             schema: settings.schema.clone(),
             sql: Sql::new(&settings.schema),
+            hosts,
         })
+    }
+
+    /// Before using the pool: its host found (see `hosts`).
+    async fn ready(&self) -> Result<(), StoreError> {
+        match &self.hosts {
+            Some(h) => h.ready(&self.pool).await,
+            None => Ok(()),
+        }
+    }
+
+    /// After an error: one that says the host is gone makes the next use look again.
+    fn seen(&self, e: impl Into<StoreError>) -> StoreError {
+        let e = e.into();
+        if let Some(h) = &self.hosts
+            && hosts::Hosts::is_host_lost(&e)
+        {
+            h.lost();
+        }
+        e
     }
 
     pub fn schema(&self) -> &str {
@@ -276,13 +309,15 @@ impl Store {
         // A node of this version must still start after a newer one migrated the schema
         // (a rolling upgrade, or a rollback): migrations only ever add.
         migrator.set_ignore_missing(true);
-        migrator.run(&self.pool).await?;
+        self.ready().await?;
+        migrator.run(&self.pool).await.map_err(|e| self.seen(e))?;
         Ok(())
     }
 
     /// A writing transaction (see [`BEGIN`]).
     pub async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
-        Ok(self.pool.begin_with(BEGIN).await?)
+        self.ready().await?;
+        self.pool.begin_with(BEGIN).await.map_err(|e| self.seen(e))
     }
 
     /// The firing transaction on `table` (see [`SCAN_BEGIN`]), holding the lock its
@@ -292,7 +327,12 @@ impl Store {
         table: Table,
     ) -> Result<(Transaction<'static, Postgres>, Deletes), StoreError> {
         let w = self.writes(table)?;
-        let mut tx = self.pool.begin_with(SCAN_BEGIN).await?;
+        self.ready().await?;
+        let mut tx = self
+            .pool
+            .begin_with(SCAN_BEGIN)
+            .await
+            .map_err(|e| self.seen(e))?;
         let refusable: bool = sqlx::raw_sql(safe(&w.guard))
             .fetch_one(&mut *tx)
             .await?
@@ -316,13 +356,15 @@ impl Store {
         fresh: Duration,
         from: Option<DateTime<Utc>>,
     ) -> Result<Probe, StoreError> {
+        self.ready().await?;
         let row: (Option<f64>, Option<f64>, DateTime<Utc>, DateTime<Utc>) =
             sqlx::query_as(safe(&self.writes(table)?.probe))
                 .bind(after)
                 .bind(fresh.as_secs_f64())
                 .bind(from)
                 .fetch_one(&self.pool)
-                .await?;
+                .await
+                .map_err(|e| self.seen(e))?;
         // '-infinity' is as overdue as can be; 'infinity' (a held row) is never due.
         let due = |s: Option<f64>| s.filter(|s| !s.is_nan() && *s != f64::INFINITY);
         Ok(Probe {
@@ -335,10 +377,12 @@ impl Store {
 
     /// Counts of one table for operators; `overdue` means due for longer than `late`.
     pub async fn counts(&self, table: Table, late: Duration) -> Result<PendingCounts, StoreError> {
+        self.ready().await?;
         let row = sqlx::query(safe(&self.writes(table)?.counts))
             .bind(format!("{} milliseconds", late.as_millis()))
             .fetch_one(&self.pool)
-            .await?;
+            .await
+            .map_err(|e| self.seen(e))?;
         Ok(PendingCounts {
             pending: row.try_get("pending")?,
             due: row.try_get("due")?,
@@ -364,7 +408,10 @@ impl Store {
 
     /// A listener on [`Store::notify_channel`] (one pooled connection, held).
     pub async fn listener(&self) -> Result<PgListener, StoreError> {
-        let mut listener = PgListener::connect_with(&self.pool).await?;
+        self.ready().await?;
+        let mut listener = PgListener::connect_with(&self.pool)
+            .await
+            .map_err(|e| self.seen(e))?;
         // A lost connection ends the listener: the scan must know when it listens again
         // (see `scheduler::listen`), which sqlx's own reconnect would hide.
         listener.eager_reconnect(false);
@@ -374,11 +421,22 @@ impl Store {
 
     /// A round trip to the database, bounded by `limit`.
     pub async fn ping(&self, limit: Duration) -> Result<(), String> {
-        let ping = sqlx::query("SELECT 1").execute(&self.pool);
+        let ping = async {
+            self.ready().await?;
+            sqlx::query("SELECT 1")
+                .execute(&self.pool)
+                .await
+                .map_err(|e| self.seen(e))
+        };
         match tokio::time::timeout(limit, ping).await {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("no answer within {limit:?}")),
+            Ok(Err(e)) => Err(crate::telemetry::Chain(&e).to_string()),
+            Err(_) => {
+                if let Some(h) = &self.hosts {
+                    h.lost();
+                }
+                Err(format!("no answer within {limit:?}"))
+            }
         }
     }
 
@@ -428,26 +486,25 @@ fn safe(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(sql.clone())
 }
 
+/// One host's options (`base`, from its URL) completed with our session settings.
 fn connect_options(
     settings: &config::Postgres,
     name: &str,
-) -> Result<PgConnectOptions, StoreError> {
+    base: PgConnectOptions,
+) -> PgConnectOptions {
     let timeout = settings.statement_timeout.as_millis().to_string();
     // A delete that waits for a lock of the process manager's (a foreign key, a
     // trigger) gives up early and is retried later; the scan itself never waits for row
     // locks (SKIP LOCKED).
     let lock_timeout = (settings.statement_timeout / 4).min(Duration::from_secs(1));
-    let mut options = PgConnectOptions::from_str(settings.url.expose())
-        .map_err(StoreError::Url)?
-        .application_name(name)
-        .options([
-            ("search_path", settings.schema.clone()),
-            ("statement_timeout", timeout.clone()),
-            ("lock_timeout", lock_timeout.as_millis().to_string()),
-            // A scanner frozen mid-batch (SIGSTOP, a dead VM) must not hold its row locks
-            // forever: the server ends the session and the rows become visible again.
-            ("idle_in_transaction_session_timeout", timeout),
-        ]);
+    let mut options = base.application_name(name).options([
+        ("search_path", settings.schema.clone()),
+        ("statement_timeout", timeout.clone()),
+        ("lock_timeout", lock_timeout.as_millis().to_string()),
+        // A scanner frozen mid-batch (SIGSTOP, a dead VM) must not hold its row locks
+        // forever: the server ends the session and the rows become visible again.
+        ("idle_in_transaction_session_timeout", timeout),
+    ]);
     if let Some(ca) = &settings.ca_file {
         options = options.ssl_root_cert(ca);
         // As libpq: given a root certificate, `require` also verifies the chain.
@@ -455,7 +512,7 @@ fn connect_options(
             options = options.ssl_mode(PgSslMode::VerifyCa);
         }
     }
-    Ok(options)
+    options
 }
 
 #[cfg(test)]

@@ -81,8 +81,19 @@ impl<'de> Deserialize<'de> for Secret {
     }
 }
 
-/// Replace the password of a URL (and a `password=` query parameter) with `***`.
+/// Replace the password of a URL (and a `password=` query parameter) with `***`; a
+/// libpq multi-host URL (`h1:5432,h2:5433`) keeps its host list.
 pub fn redact_url(raw: &str) -> String {
+    if let Some((first, hosts)) = one_host(raw) {
+        let one = redact_url(&first);
+        let Some((_, host)) = authority(&first) else {
+            return one;
+        };
+        return match one.find(host.as_str()) {
+            Some(at) => format!("{}{hosts}{}", &one[..at], &one[at + host.len()..]),
+            None => "<unparseable url>".to_owned(),
+        };
+    }
     let Ok(mut url) = url::Url::parse(raw) else {
         return "<unparseable url>".to_owned();
     };
@@ -103,4 +114,41 @@ pub fn redact_url(raw: &str) -> String {
         url.query_pairs_mut().clear().extend_pairs(pairs);
     }
     url.to_string()
+}
+
+/// The userinfo (with its `@`, or empty) and host list of a URL.
+fn authority(raw: &str) -> Option<(String, String)> {
+    let (_, rest) = raw.split_once("://")?;
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..end];
+    Some(match authority.rfind('@') {
+        Some(at) => (authority[..=at].to_owned(), authority[at + 1..].to_owned()),
+        None => (String::new(), authority.to_owned()),
+    })
+}
+
+/// A multi-host URL as the same URL with its first host only, and the host list.
+fn one_host(raw: &str) -> Option<(String, String)> {
+    let (userinfo, hosts) = authority(raw)?;
+    let (first, _) = hosts.split_once(',')?;
+    let from = raw.find("://")? + 3 + userinfo.len();
+    let single = format!("{}{first}{}", &raw[..from], &raw[from + hosts.len()..]);
+    Some((single, hosts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn multi_host_urls_are_redacted_and_keep_their_hosts() {
+        assert_eq!(
+            redact_url("postgres://u:hunter2@h1:5432,h2:5433/db?target_session_attrs=primary"),
+            "postgres://u:***@h1:5432,h2:5433/db?target_session_attrs=primary"
+        );
+        assert_eq!(
+            redact_url("postgres://h1,h2/db?password=hunter2"),
+            "postgres://h1,h2/db?password=***"
+        );
+    }
 }

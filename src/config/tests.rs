@@ -11,10 +11,64 @@ fn load(pairs: &[(&str, &str)]) -> Result<Settings, ConfigError> {
     Settings::load_from(None, env(pairs))
 }
 
+fn amqp_urls(s: &Settings) -> Vec<&str> {
+    s.amqp.url.iter().map(SecretUrl::expose).collect()
+}
+
+#[test]
+fn amqp_url_takes_a_list_or_a_comma_separated_string() {
+    let s = load(&[(
+        "TIMEOUTD__AMQP__URL",
+        "amqp://u:p@r1:5672/%2f, amqp://u:q@r2:5673/%2f,",
+    )])
+    .expect("valid");
+    assert_eq!(
+        amqp_urls(&s),
+        ["amqp://u:p@r1:5672/%2f", "amqp://u:q@r2:5673/%2f"]
+    );
+    let dir = std::env::temp_dir().join(format!("timeoutd-urls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("c.toml");
+    std::fs::write(
+        &file,
+        "[amqp]\nurl = [\"amqps://u:s3cret@r1/vh\", \"amqps://u:s3cret@r2/vh\"]\n",
+    )
+    .expect("write");
+    let s = Settings::load_from(Some(&file), env(&[])).expect("valid");
+    assert_eq!(
+        amqp_urls(&s),
+        ["amqps://u:s3cret@r1/vh", "amqps://u:s3cret@r2/vh"]
+    );
+    // check-config prints a list, redacted, that reads back as the same list.
+    let shown = toml::to_string(&s).expect("toml");
+    assert!(!shown.contains("s3cret"), "{shown}");
+    let back: Settings = toml::from_str(&shown).expect("parses back");
+    assert_eq!(
+        amqp_urls(&back),
+        ["amqps://u:***@r1/vh", "amqps://u:***@r2/vh"]
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn postgres_url_takes_libpq_multi_host_form() {
+    let s = load(&[(
+        "TIMEOUTD__POSTGRES__URL",
+        "postgres://pm:hunter2@db1:5432,db2:5433/app?target_session_attrs=read-write",
+    )])
+    .expect("valid");
+    let shown = format!("{s:?}");
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(shown.contains("pm:***@db1:5432,db2:5433/app"), "{shown}");
+    let hosts = pg_hosts(s.postgres.url.expose()).expect("hosts");
+    assert_eq!(hosts.urls.len(), 2);
+    assert_eq!(hosts.target, TargetSession::ReadWrite);
+}
+
 #[test]
 fn defaults_match_the_contract() {
     let s = load(&[]).expect("defaults are valid");
-    assert_eq!(s.amqp.url.expose(), "amqp://guest:guest@127.0.0.1:5672/%2f");
+    assert_eq!(amqp_urls(&s), ["amqp://guest:guest@127.0.0.1:5672/%2f"]);
     assert_eq!(s.amqp.announce_exchange, "timeoutd.announcements");
     assert_eq!(
         s.postgres.url.expose(),
@@ -66,7 +120,7 @@ fn environment_overrides_with_double_underscores() {
         ("TIMEOUTD__ELECTION__MAX_LAG", "1s"),
     ])
     .expect("valid");
-    assert_eq!(s.amqp.url.expose(), "amqp://u:p@rabbit:5672/%2f");
+    assert_eq!(amqp_urls(&s), ["amqp://u:p@rabbit:5672/%2f"]);
     assert_eq!(s.election.tick, Duration::from_millis(100));
     assert_eq!(s.scan.batch_size, 42);
     assert!(!s.postgres.migrate_on_start);
@@ -125,6 +179,27 @@ fn invalid_values_are_refused_naming_the_key() {
     let cases = [
         ("TIMEOUTD__AMQP__URL", "http://x", "amqp.url"),
         ("TIMEOUTD__AMQP__URL", "not a url", "amqp.url"),
+        ("TIMEOUTD__AMQP__URL", " , ", "amqp.url"),
+        (
+            "TIMEOUTD__AMQP__URL",
+            "amqp://a:p@r1/%2f,amqp://b:p@r2/%2f",
+            "amqp.url",
+        ),
+        (
+            "TIMEOUTD__AMQP__URL",
+            "amqp://r1/%2f,amqp://r2/other",
+            "amqp.url",
+        ),
+        (
+            "TIMEOUTD__POSTGRES__URL",
+            "postgres://h1,,h2/db",
+            "postgres.url",
+        ),
+        (
+            "TIMEOUTD__POSTGRES__URL",
+            "postgres://h1,h2/db?target_session_attrs=standby",
+            "postgres.url",
+        ),
         ("TIMEOUTD__POSTGRES__URL", "mysql://x/db", "postgres.url"),
         (
             "TIMEOUTD__POSTGRES__SCHEMA",

@@ -3,6 +3,7 @@
 //! docs/testing.md and `common`). One binary, one module per concern; its tests run as
 //! well as threads of one process (`cargo test`) as each in a process (`cargo nextest`).
 
+mod addresses;
 mod adversarial;
 mod bad_input;
 mod cli;

@@ -39,8 +39,8 @@
 //!    publish − delay); a burst all due at one instant T0 (`x-timeoutd-deliver-at`,
 //!    stored before T0), T0 → last received, compared with the baseline publish;
 //! 10. idle scan: the daemon's due-row query run directly over tables of 10k/100k/1M rows
-//!    that are not due (one schema each, made by the daemon's migrations), median of 200
-//!    runs per table taken round-robin, plus `EXPLAIN (ANALYZE, BUFFERS)`.
+//!     that are not due (one schema each, made by the daemon's migrations), median of 200
+//!     runs per table taken round-robin, plus `EXPLAIN (ANALYZE, BUFFERS)`.
 //!
 //! What the daemon did in a phase (batches, their durations, TimeOuts fired, lateness at
 //! fire time) comes from its `/metrics`, scraped before and after the phase: counter
