@@ -43,7 +43,15 @@ const SQLSTATE_HINTS: [(&str, &str); 6] = [
 /// A hint for `e`, if it is one of the common mistakes.
 pub(crate) fn hint(e: &anyhow::Error, settings: &Settings) -> Option<String> {
     let pg = || where_is(settings.postgres.url.expose());
-    let amqp = || where_is(settings.amqp.url.expose());
+    let amqp = || {
+        let at: Vec<String> = settings
+            .amqp
+            .url
+            .iter()
+            .map(|u| where_is(u.expose()))
+            .collect();
+        at.join(", ")
+    };
     for cause in e.chain() {
         if let Some(db) = cause.downcast_ref::<sqlx::Error>() {
             return postgres_hint(db, &pg());
@@ -116,8 +124,17 @@ fn where_is(url: &str) -> String {
             (Some(host), None) => host.to_owned(),
             _ => "the host of the URL".to_owned(),
         },
-        Err(_) => "the host of the URL".to_owned(),
+        Err(_) => hosts_of(url).unwrap_or_else(|| "the host of the URL".to_owned()),
     }
+}
+
+/// The host list of a libpq multi-host URL (`postgres://u:p@h1:5432,h2:5433/db`), which
+/// is no URL to a URL parser; never the user or password.
+fn hosts_of(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let authority = rest.split(['/', '?']).next()?;
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    (!hosts.is_empty()).then(|| hosts.replace(',', ", "))
 }
 
 #[cfg(test)]
@@ -154,6 +171,13 @@ mod tests {
             hint.contains("127.0.0.1:5672") && hint.contains("RabbitMQ"),
             "{hint}"
         );
+    }
+
+    #[test]
+    fn a_multi_host_postgres_url_is_named_by_its_hosts_without_its_password() {
+        let at =
+            where_is("postgres://pm:hunter2@db1:5432,db2:5433/app?target_session_attrs=primary");
+        assert_eq!(at, "db1:5432, db2:5433");
     }
 
     #[test]
