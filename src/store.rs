@@ -8,10 +8,12 @@
 //! each of them once.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgSslMode};
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
@@ -230,6 +232,8 @@ pub struct Store {
     /// Which host of a multi-host `postgres.url` the pool uses; `None` with one host
     /// and no `target_session_attrs`.
     hosts: Option<Arc<hosts::Hosts>>,
+    /// Probes and counts share one connection (see [`Store::acquire`]).
+    lean: Arc<AtomicBool>,
 }
 
 impl Store {
@@ -269,6 +273,7 @@ impl Store {
             schema: settings.schema.clone(),
             sql: Sql::new(&settings.schema),
             hosts,
+            lean: Arc::default(),
         })
     }
 
@@ -357,12 +362,13 @@ impl Store {
         from: Option<DateTime<Utc>>,
     ) -> Result<Probe, StoreError> {
         self.ready().await?;
+        let mut conn = self.acquire().await?;
         let row: (Option<f64>, Option<f64>, DateTime<Utc>, DateTime<Utc>) =
             sqlx::query_as(safe(&self.writes(table)?.probe))
                 .bind(after)
                 .bind(fresh.as_secs_f64())
                 .bind(from)
-                .fetch_one(&self.pool)
+                .fetch_one(&mut *conn)
                 .await
                 .map_err(|e| self.seen(e))?;
         // '-infinity' is as overdue as can be; 'infinity' (a held row) is never due.
@@ -378,9 +384,10 @@ impl Store {
     /// Counts of one table for operators; `overdue` means due for longer than `late`.
     pub async fn counts(&self, table: Table, late: Duration) -> Result<PendingCounts, StoreError> {
         self.ready().await?;
+        let mut conn = self.acquire().await?;
         let row = sqlx::query(safe(&self.writes(table)?.counts))
             .bind(format!("{} milliseconds", late.as_millis()))
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *conn)
             .await
             .map_err(|e| self.seen(e))?;
         Ok(PendingCounts {
@@ -406,7 +413,8 @@ impl Store {
         channel
     }
 
-    /// A listener on [`Store::notify_channel`] (one pooled connection, held).
+    /// A listener on [`Store::notify_channel`] (one pooled connection, held while the
+    /// listener lives: the scan opens it only while active, see `scheduler::listen`).
     pub async fn listener(&self) -> Result<PgListener, StoreError> {
         self.ready().await?;
         let mut listener = PgListener::connect_with(&self.pool)
@@ -440,10 +448,59 @@ impl Store {
         }
     }
 
+    /// Close idle connections until at most `keep` are left: a passive node holds one
+    /// (its checks, the pending counts, the ingress between deliveries), the observer
+    /// store of a passive node none. The pool reuses its idle connections in turn, so a
+    /// regular check alone would keep every one of them warm: an `idle_timeout` never
+    /// ends any. Never waits: connections in use are left alone, and each closes in the
+    /// background.
+    pub fn trim(&self, keep: usize) {
+        while self.pool.num_idle() > keep {
+            let Some(mut conn) = self.pool.try_acquire() else {
+                return;
+            };
+            conn.close_on_drop();
+        }
+    }
+
+    /// Lean or not (see [`Store::acquire`]): the scan task sets it by the node's role.
+    pub(crate) fn lean(&self, lean: bool) {
+        self.lean.store(lean, Ordering::Relaxed);
+    }
+
+    /// A connection for a probe or a count. Lean (a passive node), without opening a
+    /// second one: the idle one, a new one if none is open, else the one in use once it
+    /// is given back. Sequential statements on a pool may otherwise each find the one
+    /// before still being given back (that happens in a task of its own) and open
+    /// another: a passive node's check of two kinds would churn a connection every
+    /// second.
+    async fn acquire(&self) -> Result<PoolConnection<Postgres>, StoreError> {
+        if !self.lean.load(Ordering::Relaxed) {
+            return self.pool.acquire().await.map_err(|e| self.seen(e));
+        }
+        loop {
+            if let Some(conn) = self.pool.try_acquire() {
+                return Ok(conn);
+            }
+            if self.pool.size() == 0 {
+                return self.pool.acquire().await.map_err(|e| self.seen(e));
+            }
+            tokio::time::sleep(ALONE_POLL).await;
+        }
+    }
+
+    /// Connections open now (in use or idle).
+    pub fn size(&self) -> u32 {
+        self.pool.size()
+    }
+
     pub async fn close(&self) {
         self.pool.close().await;
     }
 }
+
+/// How often a lean [`Store::acquire`] looks whether the connection in use was given back.
+const ALONE_POLL: Duration = Duration::from_millis(20);
 
 /// A database step bounded on the client too: the server's `statement_timeout` cannot
 /// help when the network to it silently drops packets.
