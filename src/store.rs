@@ -52,6 +52,12 @@ pub enum StoreError {
         hosts: usize,
         target: config::TargetSession,
     },
+    #[error(
+        "the database session has search_path {search_path:?}, not postgres.schema: the \
+         session settings sent at connect were dropped (a pooler between? see \
+         docs/operating/pgbouncer.md)"
+    )]
+    SessionSettings { search_path: String },
     #[error("no statements for table {0}")]
     UnknownTable(&'static str),
 }
@@ -315,7 +321,25 @@ impl Store {
         // (a rolling upgrade, or a rollback): migrations only ever add.
         migrator.set_ignore_missing(true);
         self.ready().await?;
+        self.check_session().await?;
         migrator.run(&self.pool).await.map_err(|e| self.seen(e))?;
+        Ok(())
+    }
+
+    /// The session settings the connections ask for at startup (see `connect_options`)
+    /// are in force. A pooler may drop them silently (PgBouncer's
+    /// `ignore_startup_parameters = options`): the migrations would then create the
+    /// tables in whatever schema the server's `search_path` names, and statements would
+    /// run unbounded. Refused instead, before anything is written.
+    async fn check_session(&self) -> Result<(), StoreError> {
+        let search_path: String = sqlx::raw_sql("SELECT current_setting('search_path')")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.seen(e))?
+            .try_get(0)?;
+        if search_path != self.schema {
+            return Err(StoreError::SessionSettings { search_path });
+        }
         Ok(())
     }
 
