@@ -3,9 +3,11 @@
 //! that takes over fires at once (docs/operating/capacity.md, "Connections per role").
 
 use std::collections::HashMap;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use sqlx::Connection;
 use timeoutd::client::Expectation;
 use uuid::Uuid;
 
@@ -172,5 +174,191 @@ async fn passive_nodes_hold_one_connection_and_take_over() {
     println!("after the takeover, most held per node over 3 s: {most:?}");
     drop(procs);
     drop(dead);
+    world.cleanup().await;
+}
+
+/// A throwaway PgBouncer (the binary `TIMEOUTD_TEST_PGBOUNCER` names, else `pgbouncer` on
+/// the PATH) in front of the test database, its ini in a temporary directory: database
+/// `direct` passes the session settings on as they come (none: `options` is ignored),
+/// `session` sets them for the schema with `connect_query`, as docs/operating/pgbouncer.md
+/// says. `None` when there is no such binary.
+struct Bouncer {
+    child: std::process::Child,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl Bouncer {
+    fn start(world: &World) -> Option<Self> {
+        let bin = std::env::var("TIMEOUTD_TEST_PGBOUNCER").unwrap_or_else(|_| "pgbouncer".into());
+        let found = std::process::Command::new(&bin)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            return None;
+        }
+        let settings = world.settings().postgres;
+        let pg = url::Url::parse(&crate::common::pg_url()).expect("pg url");
+        let (host, port) = (pg.host_str().expect("host"), pg.port().unwrap_or(5432));
+        let user = if pg.username().is_empty() {
+            "postgres"
+        } else {
+            pg.username()
+        };
+        let db = pg.path().trim_start_matches('/');
+        let timeout = settings.statement_timeout.as_millis();
+        let connect_query = format!(
+            "SET search_path = {}; SET statement_timeout = {timeout}; \
+             SET lock_timeout = 1000; SET idle_in_transaction_session_timeout = {timeout}",
+            world.schema
+        );
+        let free = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let listen = free.local_addr().expect("addr").port();
+        drop(free);
+        let dir = std::env::temp_dir().join(format!("timeoutd-pgbouncer-{}", world.schema));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let ini = format!(
+            "[databases]\n\
+             direct = host={host} port={port} dbname={db} user={user}\n\
+             session = host={host} port={port} dbname={db} user={user} \
+             connect_query='{connect_query}'\n\
+             [pgbouncer]\n\
+             listen_addr = 127.0.0.1\nlisten_port = {listen}\nunix_socket_dir =\n\
+             auth_type = any\npool_mode = session\nmax_client_conn = 100\n\
+             default_pool_size = 20\nignore_startup_parameters = extra_float_digits, options\n\
+             logfile =\npidfile =\n"
+        );
+        let path = dir.join("pgbouncer.ini");
+        std::fs::write(&path, ini).expect("write ini");
+        let mut cmd = std::process::Command::new(&bin);
+        // PgBouncer refuses to run as root.
+        if std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").expect("/proc"))
+            == 0
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+            cmd.args(["-u", "nobody"]);
+        }
+        let child = cmd
+            .arg(&path)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("log")).expect("log file"))
+            .spawn()
+            .expect("spawn pgbouncer");
+        Some(Self {
+            child,
+            port: listen,
+            dir,
+        })
+    }
+
+    /// What it logged, for failures.
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
+    fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+}
+
+impl Drop for Bouncer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Through PgBouncer in session mode (docs/operating/pgbouncer.md): a migration through
+/// a database entry that drops the session settings is refused and writes nothing; with
+/// the settings set by `connect_query`, a group of two fires every row once, none early,
+/// and the passive node holds one connection through the pooler too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_pgbouncer_in_session_mode() {
+    let world = World::new().await;
+    let Some(bouncer) = Bouncer::start(&world) else {
+        eprintln!(
+            "SKIPPED: no pgbouncer binary (install Debian's `pgbouncer`, or set \
+             TIMEOUTD_TEST_PGBOUNCER to one)"
+        );
+        world.cleanup().await;
+        return;
+    };
+    let deadline = Instant::now() + PATIENCE;
+    while sqlx::PgConnection::connect(&bouncer.url("direct"))
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "pgbouncer does not answer: {}",
+            bouncer.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let migrate = |url: String| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
+            .arg("migrate")
+            .envs(world.env())
+            .env("TIMEOUTD__POSTGRES__URL", url)
+            .output()
+            .expect("timeoutd migrate")
+    };
+    let refused = migrate(bouncer.url("direct"));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{said}");
+    assert!(said.contains("search_path"), "{said}");
+    let created: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname = $1")
+        .bind(&world.schema)
+        .fetch_one(&world.pool)
+        .await
+        .expect("schema count");
+    assert_eq!(created, 0, "nothing written through the dropped settings");
+
+    let url = bouncer.url("session");
+    let extra = [("TIMEOUTD__POSTGRES__URL".to_owned(), url)];
+    world.exec(&format!("CREATE SCHEMA {}", world.schema)).await;
+    let observer = Observer::new(&world.group).await;
+    let inbox = Inbox::new().await;
+    let since = Instant::now();
+    let procs = vec![
+        Proc::spawn_with(&world, &extra).await,
+        Proc::spawn_with(&world, &extra).await,
+    ];
+    let i = active_index(&observer, &procs, since).await;
+    let passive = procs[1 - i].node_id;
+    let mut due = Vec::new();
+    for n in 0..20 {
+        let e = Expectation::new(&format!("bounced-{n}"), "Reply", &inbox.queue)
+            .due_in(Duration::from_millis(500));
+        due.push(world.expect(&e).await);
+    }
+    wait_for(PATIENCE, "every row fired", || {
+        inbox.counts().len() >= due.len()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let counts = inbox.counts();
+    for id in &due {
+        assert_eq!(counts.get(&id.to_string()), Some(&1), "{id} once");
+    }
+    for r in inbox.all() {
+        let deadline: DateTime<Utc> = r.body["timeout_at"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .expect("timeout_at");
+        assert!(r.fired_at() >= deadline, "early: {}", r.body);
+        assert_eq!(r.sender(), Some(procs[i].node_id.to_string()));
+    }
+    wait_for_async(
+        PATIENCE,
+        "the passive node down to one connection",
+        || async { connections(&world, &[passive]).await[&passive] <= 1 },
+    )
+    .await;
+    drop(procs);
+    drop(bouncer);
     world.cleanup().await;
 }
