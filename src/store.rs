@@ -506,16 +506,12 @@ impl Store {
             if let Some(conn) = self.pool.try_acquire() {
                 return Ok(conn);
             }
-            if self.pool.size() == 0 {
+            // A closed pool (the stop) answers `acquire` with its error at once.
+            if self.pool.size() == 0 || self.pool.is_closed() {
                 return self.pool.acquire().await.map_err(|e| self.seen(e));
             }
             tokio::time::sleep(ALONE_POLL).await;
         }
-    }
-
-    /// Connections open now (in use or idle).
-    pub fn size(&self) -> u32 {
-        self.pool.size()
     }
 
     pub async fn close(&self) {
