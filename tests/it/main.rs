@@ -13,7 +13,6 @@ mod common;
 mod delayed;
 mod delayed_chaos;
 mod deletes;
-mod economy;
 mod election;
 mod failover;
 mod faults;
