@@ -1,7 +1,8 @@
 //! Start, supervise, stop: a daemon is five tasks — the node task (`node`: the election
 //! and the broker connection), the scan task (`scheduler`: firing while active), the
 //! delayed-message ingress (`ingress`, every node), the HTTP server (`http`) and the
-//! pending gauges' counter (`status::count_pending`, on a connection of its own) — each
+//! pending gauges' counter (`status::count_pending`, on a connection of its own while
+//! active) — each
 //! given the narrow context it uses. The supervisor watches them all: when one ends before a stop was asked (a panic, a bug), the others are
 //! stopped — the node task announces `leaving`, so the group does not wait for a node that
 //! cannot fire — and the daemon exits non-zero for the orchestrator to restart it.
@@ -153,6 +154,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         http,
         intake,
         observer,
+        role: role_rx.clone(),
         probe: probe.clone(),
     };
     let stops = Stops {
@@ -179,8 +181,9 @@ struct Tasks {
     http: http::Server,
     /// The delayed-message ingress, unless `delay.enabled = false`.
     intake: Option<Intake>,
-    /// The pending gauges' connection (see `Store::observer`).
+    /// The pending gauges' connection while active (see `status::Counting`).
     observer: Store,
+    role: watch::Receiver<Role>,
     probe: Arc<Probe>,
 }
 
@@ -247,14 +250,14 @@ async fn supervise(
         });
         running.push((task.id(), Task::Ingress));
     }
-    let (probe, observer, counting, halt) = (
-        tasks.probe,
-        tasks.observer,
-        settings.clone(),
-        stops.stop.clone(),
-    );
+    let counting = status::Counting {
+        observer: tasks.observer,
+        pool: store.clone(),
+        role: tasks.role,
+    };
+    let (probe, counted, halt) = (tasks.probe, settings.clone(), stops.stop.clone());
     let task = set.spawn(async move {
-        status::count_pending(probe, observer, counting, halt).await;
+        status::count_pending(probe, counting, counted, halt).await;
         (Task::PendingCounts, Ok(Exit::Stopped))
     });
     running.push((task.id(), Task::PendingCounts));

@@ -38,6 +38,13 @@ const FRESH: Duration = Duration::from_secs(1);
 /// Notifications queued for the scan loop; beyond this they are dropped and the loop
 /// looks at every table instead.
 const NOTICES: usize = 1024;
+/// An active node that ran no batch for this long closes the connections its batches
+/// opened, keeping one per kind for the probes; batches that come closer together than
+/// this reuse them.
+const ACTIVE_IDLE_AFTER: Duration = Duration::from_secs(10);
+/// Idle connections a passive node keeps in its pool: the one its checks, the pending
+/// counts and the delay ingress share (docs/operating/capacity.md).
+pub(crate) const PASSIVE_CONNECTIONS: usize = 1;
 
 /// What the scan task uses: the store, the bus and the lease view the node task
 /// publishes, the status and health it reports to.
@@ -115,7 +122,6 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
     ));
     let (tx, rx) = mpsc::channel(NOTICES);
     let state = Arc::new(NoticeState::default());
-    let listener = tokio::spawn(listen(shared.clone(), tx, state.clone()));
     let mut notices = Notices { rx, state };
     let mut lease = shared.lease.clone();
     let mut bus = shared.bus.clone();
@@ -127,9 +133,19 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
         let active = lease.borrow_and_update().role == Role::Active;
         match current.filter(|_| active) {
             Some(bus) => {
-                fire_while_active(&shared, &scanner, &bus, &mut notices, &mut summary).await
+                // LISTEN only while active: a passive node fires nothing, so notices are
+                // no use to it, and the connection would be one more per passive node.
+                // The look at every kind after LISTEN, and the pacer's probing every tick
+                // until then, cover what was written before.
+                shared.store.lean(false);
+                let listener =
+                    tokio::spawn(listen(shared.clone(), tx.clone(), notices.state.clone()));
+                fire_while_active(&shared, &scanner, &bus, &mut notices, &mut summary).await;
+                listener.abort();
+                notices.state.listening.store(false, Ordering::Relaxed);
             }
             None => {
+                shared.store.lean(!active);
                 if !active && checked.elapsed() >= settings.election.announce_interval {
                     // A check waiting on a slow database is no reason to delay a stop.
                     tokio::select! {
@@ -137,6 +153,11 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
                         _ = check_while_passive(&shared, &scanner) => {},
                     }
                     checked = Instant::now();
+                }
+                if !active {
+                    // One connection between checks: what the ingress or the last
+                    // active spell opened beyond it is closed (see `Store::trim`).
+                    shared.store.trim(PASSIVE_CONNECTIONS);
                 }
                 // Due times announced while passive are stale once active: it probes.
                 while notices.rx.try_recv().is_ok() {}
@@ -154,7 +175,6 @@ pub(crate) async fn scan_loop(shared: Arc<Firing>) {
         }
     }
     summary.flush();
-    listener.abort();
 }
 
 /// A batch in flight: its kind (and the pacer's index of it), its lane, and the pacer's
@@ -198,8 +218,15 @@ async fn fire_while_active(
     let mut lease = shared.lease.clone();
     let mut bus_rx = shared.bus.clone();
     let mut backoff = health_backoff(&shared.settings);
+    let mut busy_at = Instant::now();
     loop {
         shared.probe.beat(&shared.probe.scan_beat);
+        if !batches.tasks.is_empty() {
+            busy_at = Instant::now();
+        } else if busy_at.elapsed() >= ACTIVE_IDLE_AFTER {
+            // Idle: the connections the batches opened are closed; the probes' stay.
+            shared.store.trim(kinds.len());
+        }
         let listening = notices.state.listening.load(Ordering::Relaxed);
         pacer.listening(listening, Instant::now());
         if notices.state.lost.swap(false, Ordering::Relaxed) {
@@ -439,6 +466,7 @@ async fn settle_leftovers(scanner: &Scanner, store: &crate::store::Store) {
 /// fired by a batch that then failed to commit are deleted now too.
 async fn check_while_passive(shared: &Firing, scanner: &Scanner) {
     recheck_publish(shared).await;
+    recheck_listen(shared).await;
     // The due-row index, not just `SELECT 1`: a table locked by someone else (a
     // migration, an ALTER) fails the scan, and must fail this check too. From now on
     // only: from its start, the probe would walk every deleted row not yet vacuumed
@@ -470,6 +498,21 @@ async fn recheck_publish(shared: &Firing) {
             .health
             .record(Check::Publish, &bus.check_publish().await);
     }
+}
+
+/// A passive node holds no LISTEN connection (see `scan_loop`); one whose LISTEN failed
+/// while active would stay withdrawn, or rejoin only to fail again: while the check
+/// fails it tries a LISTEN at every passive check and lets it go.
+async fn recheck_listen(shared: &Firing) {
+    if !shared.health.failing().contains(&Check::Listen.name()) {
+        return;
+    }
+    let limit = shared.settings.postgres.statement_timeout;
+    let listened = match tokio::time::timeout(limit, shared.store.listener()).await {
+        Ok(r) => r.map(drop).map_err(|e| Chain(&e).to_string()),
+        Err(_) => Err(format!("no answer within {limit:?}")),
+    };
+    shared.health.record(Check::Listen, &listened);
 }
 
 /// Retries of what the node's health depends on (scans, LISTEN) are capped at the

@@ -4,7 +4,7 @@
 //! Observing reads only what is here: no HTTP request waits for, or takes, a database
 //! connection (contract section 8, "Observing cannot harm"). The one thing observers
 //! want from the database, the pending counts, is counted by [`count_pending`], one task
-//! on a connection of its own, and cached in the metrics.
+//! (on a connection of its own while the node is active), and cached in the metrics.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -182,13 +183,35 @@ impl Probe {
 /// At most one log line per this period about counts that cannot be had.
 const COUNT_LOG_EVERY: Duration = Duration::from_secs(60);
 
-/// The pending gauges' task: every `http.pending_refresh`, count each table in turn on
-/// `store` (one connection of its own, see `Store::observer`), each count bounded like
-/// any statement of the node, and cache the counts in the metrics. "Overdue" means due
-/// for longer than a tick. A failure leaves the last counts, whose age the metrics show.
+/// Where the pending gauges count: on the active node, `observer` (one connection of
+/// its own, see `Store::observer`), so that counting never takes a connection the firing
+/// needs; on a passive node, which fires nothing, the node's own pool, lean then (see
+/// `Store::acquire`): the one connection its checks keep open anyway
+/// (docs/operating/capacity.md). The observer's connection is then closed.
+pub(crate) struct Counting {
+    pub(crate) observer: Store,
+    pub(crate) pool: Store,
+    pub(crate) role: watch::Receiver<Role>,
+}
+
+impl Counting {
+    fn store(&self) -> &Store {
+        if *self.role.borrow() == Role::Active {
+            &self.observer
+        } else {
+            self.observer.trim(0);
+            &self.pool
+        }
+    }
+}
+
+/// The pending gauges' task: every `http.pending_refresh`, count each table in turn (see
+/// [`Counting`] for on which connection), each count bounded like any statement of the
+/// node, and cache the counts in the metrics. "Overdue" means due for longer than a
+/// tick. A failure leaves the last counts, whose age the metrics show.
 pub(crate) async fn count_pending(
     probe: Arc<Probe>,
-    store: Store,
+    counting: Counting,
     settings: Arc<Settings>,
     stop: CancellationToken,
 ) {
@@ -197,6 +220,7 @@ pub(crate) async fn count_pending(
     let mut quiet = LogLimiter::new(COUNT_LOG_EVERY);
     loop {
         for table in TABLES {
+            let store = counting.store();
             let counted = tokio::select! {
                 _ = stop.cancelled() => return,
                 c = bounded(limit, store.counts(table, late)) => c,

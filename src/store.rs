@@ -8,10 +8,12 @@
 //! each of them once.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgSslMode};
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
@@ -50,6 +52,12 @@ pub enum StoreError {
         hosts: usize,
         target: config::TargetSession,
     },
+    #[error(
+        "the database session has search_path {search_path:?}, not postgres.schema: the \
+         session settings sent at connect were dropped (a pooler between? see \
+         docs/operating/pgbouncer.md)"
+    )]
+    SessionSettings { search_path: String },
     #[error("no statements for table {0}")]
     UnknownTable(&'static str),
 }
@@ -230,6 +238,8 @@ pub struct Store {
     /// Which host of a multi-host `postgres.url` the pool uses; `None` with one host
     /// and no `target_session_attrs`.
     hosts: Option<Arc<hosts::Hosts>>,
+    /// Probes and counts share one connection (see [`Store::acquire`]).
+    lean: Arc<AtomicBool>,
 }
 
 impl Store {
@@ -269,6 +279,7 @@ impl Store {
             schema: settings.schema.clone(),
             sql: Sql::new(&settings.schema),
             hosts,
+            lean: Arc::default(),
         })
     }
 
@@ -310,7 +321,25 @@ impl Store {
         // (a rolling upgrade, or a rollback): migrations only ever add.
         migrator.set_ignore_missing(true);
         self.ready().await?;
+        self.check_session().await?;
         migrator.run(&self.pool).await.map_err(|e| self.seen(e))?;
+        Ok(())
+    }
+
+    /// The session settings the connections ask for at startup (see `connect_options`)
+    /// are in force. A pooler may drop them silently (PgBouncer's
+    /// `ignore_startup_parameters = options`): the migrations would then create the
+    /// tables in whatever schema the server's `search_path` names, and statements would
+    /// run unbounded. Refused instead, before anything is written.
+    async fn check_session(&self) -> Result<(), StoreError> {
+        let search_path: String = sqlx::raw_sql("SELECT current_setting('search_path')")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.seen(e))?
+            .try_get(0)?;
+        if search_path != self.schema {
+            return Err(StoreError::SessionSettings { search_path });
+        }
         Ok(())
     }
 
@@ -357,12 +386,13 @@ impl Store {
         from: Option<DateTime<Utc>>,
     ) -> Result<Probe, StoreError> {
         self.ready().await?;
+        let mut conn = self.acquire().await?;
         let row: (Option<f64>, Option<f64>, DateTime<Utc>, DateTime<Utc>) =
             sqlx::query_as(safe(&self.writes(table)?.probe))
                 .bind(after)
                 .bind(fresh.as_secs_f64())
                 .bind(from)
-                .fetch_one(&self.pool)
+                .fetch_one(&mut *conn)
                 .await
                 .map_err(|e| self.seen(e))?;
         // '-infinity' is as overdue as can be; 'infinity' (a held row) is never due.
@@ -378,9 +408,10 @@ impl Store {
     /// Counts of one table for operators; `overdue` means due for longer than `late`.
     pub async fn counts(&self, table: Table, late: Duration) -> Result<PendingCounts, StoreError> {
         self.ready().await?;
+        let mut conn = self.acquire().await?;
         let row = sqlx::query(safe(&self.writes(table)?.counts))
             .bind(format!("{} milliseconds", late.as_millis()))
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *conn)
             .await
             .map_err(|e| self.seen(e))?;
         Ok(PendingCounts {
@@ -406,7 +437,8 @@ impl Store {
         channel
     }
 
-    /// A listener on [`Store::notify_channel`] (one pooled connection, held).
+    /// A listener on [`Store::notify_channel`] (one pooled connection, held while the
+    /// listener lives: the scan opens it only while active, see `scheduler::listen`).
     pub async fn listener(&self) -> Result<PgListener, StoreError> {
         self.ready().await?;
         let mut listener = PgListener::connect_with(&self.pool)
@@ -440,10 +472,55 @@ impl Store {
         }
     }
 
+    /// Close idle connections until at most `keep` are left: a passive node holds one
+    /// (its checks, the pending counts, the ingress between deliveries), the observer
+    /// store of a passive node none. The pool reuses its idle connections in turn, so a
+    /// regular check alone would keep every one of them warm: an `idle_timeout` never
+    /// ends any. Never waits: connections in use are left alone, and each closes in the
+    /// background.
+    pub fn trim(&self, keep: usize) {
+        while self.pool.num_idle() > keep {
+            let Some(mut conn) = self.pool.try_acquire() else {
+                return;
+            };
+            conn.close_on_drop();
+        }
+    }
+
+    /// Lean or not (see [`Store::acquire`]): the scan task sets it by the node's role.
+    pub(crate) fn lean(&self, lean: bool) {
+        self.lean.store(lean, Ordering::Relaxed);
+    }
+
+    /// A connection for a probe or a count. Lean (a passive node), without opening a
+    /// second one: the idle one, a new one if none is open, else the one in use once it
+    /// is given back. Sequential statements on a pool may otherwise each find the one
+    /// before still being given back (that happens in a task of its own) and open
+    /// another: a passive node's check of two kinds would churn a connection every
+    /// second.
+    async fn acquire(&self) -> Result<PoolConnection<Postgres>, StoreError> {
+        if !self.lean.load(Ordering::Relaxed) {
+            return self.pool.acquire().await.map_err(|e| self.seen(e));
+        }
+        loop {
+            if let Some(conn) = self.pool.try_acquire() {
+                return Ok(conn);
+            }
+            // A closed pool (the stop) answers `acquire` with its error at once.
+            if self.pool.size() == 0 || self.pool.is_closed() {
+                return self.pool.acquire().await.map_err(|e| self.seen(e));
+            }
+            tokio::time::sleep(ALONE_POLL).await;
+        }
+    }
+
     pub async fn close(&self) {
         self.pool.close().await;
     }
 }
+
+/// How often a lean [`Store::acquire`] looks whether the connection in use was given back.
+const ALONE_POLL: Duration = Duration::from_millis(20);
 
 /// A database step bounded on the client too: the server's `statement_timeout` cannot
 /// help when the network to it silently drops packets.

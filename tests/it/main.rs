@@ -13,6 +13,7 @@ mod common;
 mod delayed;
 mod delayed_chaos;
 mod deletes;
+mod economy;
 mod election;
 mod failover;
 mod faults;
