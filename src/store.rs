@@ -302,6 +302,14 @@ impl Store {
         e
     }
 
+    /// Changes each time the pool moves to another host of a multi-host
+    /// `postgres.url`; `None` with nothing to move to. A session held outside the pool
+    /// (the LISTEN connection) would otherwise stay on a host turned read-only but up,
+    /// where no notice ever comes.
+    pub(crate) fn host_moves(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.hosts.as_ref().map(|h| h.moves())
+    }
+
     pub fn schema(&self) -> &str {
         &self.schema
     }

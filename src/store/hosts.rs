@@ -34,6 +34,9 @@ pub(super) struct Hosts {
     /// The pool's host failed: look again before the next use.
     stale: AtomicBool,
     looking: tokio::sync::Mutex<()>,
+    /// Counts the pool's moves to another host, for what holds a connection of its own
+    /// outside the pool's checks (the LISTEN session).
+    moves: tokio::sync::watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for Hosts {
@@ -78,6 +81,7 @@ impl Hosts {
             applied: AtomicUsize::new(usize::MAX),
             found: AtomicUsize::new(0),
             looking: tokio::sync::Mutex::new(()),
+            moves: tokio::sync::watch::Sender::new(0),
         };
         Ok((first, Some(Arc::new(hosts))))
     }
@@ -149,11 +153,20 @@ impl Hosts {
             }
         }
         let found = self.found.load(Ordering::Relaxed);
-        if self.applied.swap(found, Ordering::Relaxed) != found {
+        let before = self.applied.swap(found, Ordering::Relaxed);
+        if before != found {
             tracing::info!(host = %self.labels[found], "Postgres: using this host from now on");
             pool.set_connect_options(self.options[found].clone());
+            if before != usize::MAX {
+                self.moves.send_modify(|n| *n += 1);
+            }
         }
         Ok(())
+    }
+
+    /// Changes each time the pool moves to another host.
+    pub(super) fn moves(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.moves.subscribe()
     }
 
     /// The pool's host failed us: the next use looks again.
