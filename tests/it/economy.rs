@@ -86,6 +86,10 @@ async fn sample(
 /// its deadline, and the remaining passive node still holds one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passive_nodes_hold_one_connection_and_take_over() {
+    if World::through_pooler() {
+        eprintln!("SKIPPED through a pooler: it counts each node's sessions on the server");
+        return;
+    }
     let world = World::new().await;
     world.migrate().await;
     let settings = world.settings();
@@ -301,8 +305,7 @@ async fn through_pgbouncer_in_session_mode() {
     let migrate = |url: String| {
         std::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
             .arg("migrate")
-            .envs(world.env())
-            .env("TIMEOUTD__POSTGRES__URL", url)
+            .envs(world.env_with(&[("TIMEOUTD__POSTGRES__URL".to_owned(), url)]))
             .output()
             .expect("timeoutd migrate")
     };
