@@ -612,6 +612,22 @@ pub const PATIENCE: Duration = Duration::from_secs(60);
 /// takes the cores. Small beside what a broken promise costs (a `member_ttl`, a sweep).
 pub const STAMP_SLACK: Duration = Duration::from_secs(1);
 
+/// Wait until the lowest of `procs` claims the role (announced since `since`); its
+/// index.
+pub async fn lowest_active(observer: &Observer, procs: &[Proc], since: Instant) -> usize {
+    let lowest = procs.iter().map(|p| p.node_id).min().expect("procs");
+    wait_for(PATIENCE, "lowest node active", || {
+        observer
+            .first_after(since, |a| a.active && a.node_id == lowest)
+            .is_some()
+    })
+    .await;
+    procs
+        .iter()
+        .position(|p| p.node_id == lowest)
+        .expect("lowest")
+}
+
 /// Wait until `node` holds the active role.
 pub async fn wait_active(node: &Handle) {
     wait_for(PATIENCE, "node active", || {
