@@ -117,8 +117,9 @@ pub struct Metrics {
     steps: Histograms<KindStepLabel>,
     pending_by_kind: Family<KindStateLabel, Gauge>,
     pending_age: Family<KindLabel, Gauge<f64, AtomicU64>>,
-    /// When each kind's pending counts were last set (the start, until they are).
-    pending_at: Mutex<Vec<(&'static str, Instant)>>,
+    /// When each kind's pending counts were last set (the start, until they are), and
+    /// how old they were then.
+    pending_at: Mutex<Vec<(&'static str, Instant, Duration)>>,
     ingested: Family<ResultLabel, Counter>,
     ingest_time: Histogram,
     ingress_consuming: Gauge,
@@ -150,7 +151,12 @@ impl Metrics {
             steps: Family::new_with_constructor(step_histogram),
             pending_by_kind: Family::default(),
             pending_age: Family::default(),
-            pending_at: Mutex::new(TABLES.iter().map(|t| (t.kind(), Instant::now())).collect()),
+            pending_at: Mutex::new(
+                TABLES
+                    .iter()
+                    .map(|t| (t.kind(), Instant::now(), Duration::ZERO))
+                    .collect(),
+            ),
             ingested: Family::default(),
             ingest_time: Histogram::new(INGEST_BUCKETS),
             ingress_consuming: Gauge::default(),
@@ -394,11 +400,12 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    pub fn set_pending(&self, kind: &'static str, c: PendingCounts) {
+    /// The counts of `kind`, counted `age` ago (by this node or another of the group).
+    pub fn set_pending(&self, kind: &'static str, c: PendingCounts, age: Duration) {
         let mut at = self.pending_at.lock().unwrap_or_else(|e| e.into_inner());
-        match at.iter_mut().find(|(k, _)| *k == kind) {
-            Some((_, when)) => *when = Instant::now(),
-            None => at.push((kind, Instant::now())),
+        match at.iter_mut().find(|(k, ..)| *k == kind) {
+            Some((_, when, old)) => (*when, *old) = (Instant::now(), age),
+            None => at.push((kind, Instant::now(), age)),
         }
         let states = [
             ("pending", c.pending),
@@ -452,10 +459,10 @@ impl Metrics {
     pub fn render(&self, postgres_ok: bool) -> String {
         self.postgres_connected.set(i64::from(postgres_ok));
         let at = self.pending_at.lock().unwrap_or_else(|e| e.into_inner());
-        for (kind, when) in at.iter() {
+        for (kind, when, age) in at.iter() {
             self.pending_age
                 .get_or_create(&KindLabel { kind })
-                .set(when.elapsed().as_secs_f64());
+                .set((*age + when.elapsed()).as_secs_f64());
         }
         drop(at);
         let mut out = String::with_capacity(8192);

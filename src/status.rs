@@ -3,8 +3,9 @@
 //!
 //! Observing reads only what is here: no HTTP request waits for, or takes, a database
 //! connection (contract section 8, "Observing cannot harm"). The one thing observers
-//! want from the database, the pending counts, is counted by [`count_pending`], one task
-//! (on a connection of its own while the node is active), and cached in the metrics.
+//! want from the database, the pending counts, is refreshed by [`count_pending`], one
+//! task (on a connection of its own while the node is active), from the counts the group
+//! shares (see `Store::shared_counts`), and cached in the metrics.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -22,7 +23,7 @@ use crate::election::Role;
 use crate::health::{Check, Health, Standing};
 use crate::metrics::Metrics;
 use crate::shutdown::sleep_or_stop;
-use crate::store::{Store, TABLES, bounded};
+use crate::store::{PendingCounts, Store, StoreError, TABLES, Table, bounded};
 use crate::telemetry::{Chain, LogLimiter};
 
 /// A member as `/status` and `members` show it.
@@ -238,11 +239,12 @@ pub(crate) async fn count_pending(
                     // observer's (the statement ends on the server within its bound,
                     // then the connection goes back to the pool, which has room for it).
                     _ = counting.activated(), if on_pool => continue,
-                    c = bounded(limit, store.counts(table, late)) => break c,
+                    c = bounded(limit, group_counts(store, table, late, every)) => break c,
                 }
             };
             match counted {
-                Ok(c) => probe.metrics.set_pending(table.kind(), c),
+                Ok(Some((c, age))) => probe.metrics.set_pending(table.kind(), c, age),
+                Ok(None) => {}
                 Err(e) => {
                     if let Some(suppressed) = quiet.allow(Instant::now()) {
                         tracing::warn!(error = %Chain(&e), kind = table.kind(), suppressed, "cannot count the pending rows for the gauges");
@@ -253,6 +255,23 @@ pub(crate) async fn count_pending(
         if !sleep_or_stop(&stop, every).await {
             return;
         }
+    }
+}
+
+/// The group's shared counts (see `Store::shared_counts`): what another node counted
+/// less than `fresh` ago, else counted here. Where they cannot be shared (a role without
+/// the grants on `pending_counts` of SECURITY.md), counted here alone.
+async fn group_counts(
+    store: &Store,
+    table: Table,
+    late: Duration,
+    fresh: Duration,
+) -> Result<Option<(PendingCounts, Duration)>, StoreError> {
+    match store.shared_counts(table, late, fresh).await {
+        Err(StoreError::Db(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42501") => {
+            Ok(Some((store.counts(table, late).await?, Duration::ZERO)))
+        }
+        other => other,
     }
 }
 

@@ -80,6 +80,17 @@ pub struct PendingCounts {
     pub failing: i64,
 }
 
+impl PendingCounts {
+    fn from_row(row: &sqlx::postgres::PgRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            pending: row.try_get("pending")?,
+            due: row.try_get("due")?,
+            overdue: row.try_get("overdue")?,
+            failing: row.try_get("failing")?,
+        })
+    }
+}
+
 /// The text of [`BEGIN`], as a literal that [`SCAN_BEGIN`] extends.
 macro_rules! begin {
     () => {
@@ -465,17 +476,83 @@ impl Store {
     pub async fn counts(&self, table: Table, late: Duration) -> Result<PendingCounts, StoreError> {
         self.ready().await?;
         let mut conn = self.acquire().await?;
+        self.count(&mut conn, table, late).await
+    }
+
+    async fn count(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        table: Table,
+        late: Duration,
+    ) -> Result<PendingCounts, StoreError> {
         let row = sqlx::query(safe(&self.writes(table)?.counts))
             .bind(format!("{} milliseconds", late.as_millis()))
+            .fetch_one(conn)
+            .await
+            .map_err(|e| self.seen(e))?;
+        PendingCounts::from_row(&row)
+    }
+
+    /// The group's counts of one table (the table `pending_counts`, migration 0008) and
+    /// how long ago they were counted: as another node counted them, if less than
+    /// `fresh` ago; else counted here and shared, unless another node is counting them
+    /// right now (then its previous ones; `None` before the first). One count per group
+    /// per refresh, not one per node.
+    pub async fn shared_counts(
+        &self,
+        table: Table,
+        late: Duration,
+        fresh: Duration,
+    ) -> Result<Option<(PendingCounts, Duration)>, StoreError> {
+        let (kind, fresh) = (table.kind(), format!("{} milliseconds", fresh.as_millis()));
+        let w = self.writes(table)?;
+        self.ready().await?;
+        let mut conn = self.acquire().await?;
+        let shared = |row: &sqlx::postgres::PgRow| -> Result<_, StoreError> {
+            let age: f64 = row.try_get("age")?;
+            // '-infinity': never counted yet, nothing to report.
+            Ok(Duration::try_from_secs_f64(age)
+                .ok()
+                .map(|age| PendingCounts::from_row(row).map(|c| (c, age)))
+                .transpose()?)
+        };
+        let row = sqlx::query(safe(&w.shared_read))
+            .bind(kind)
+            .bind(&fresh)
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| self.seen(e))?;
-        Ok(PendingCounts {
-            pending: row.try_get("pending")?,
-            due: row.try_get("due")?,
-            overdue: row.try_get("overdue")?,
-            failing: row.try_get("failing")?,
-        })
+        if row.try_get("fresh")? {
+            return shared(&row);
+        }
+        let mut tx = sqlx::Connection::begin(&mut *conn)
+            .await
+            .map_err(|e| self.seen(e))?;
+        let mine = sqlx::query(safe(&w.shared_lock))
+            .bind(kind)
+            .bind(&fresh)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| self.seen(e))?;
+        match mine {
+            // Another node is counting: its previous counts meanwhile.
+            None => return shared(&row),
+            // Counted by another node in the meantime.
+            Some(r) if r.try_get("fresh")? => return shared(&r),
+            Some(_) => {}
+        }
+        let c = self.count(&mut tx, table, late).await?;
+        sqlx::query(safe(&w.shared_write))
+            .bind(kind)
+            .bind(c.pending)
+            .bind(c.due)
+            .bind(c.overdue)
+            .bind(c.failing)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.seen(e))?;
+        tx.commit().await.map_err(|e| self.seen(e))?;
+        Ok(Some((c, Duration::ZERO)))
     }
 
     fn writes(&self, table: Table) -> Result<&Writes, StoreError> {

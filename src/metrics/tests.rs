@@ -29,6 +29,7 @@ fn busy() -> Metrics {
             overdue: 0,
             failing: 0,
         },
+        Duration::ZERO,
     );
     m.set_pending(
         "expectation",
@@ -38,6 +39,7 @@ fn busy() -> Metrics {
             overdue: 2,
             failing: 1,
         },
+        Duration::ZERO,
     );
     m.ingest_dropped();
     m.set_ingress_consuming(true);

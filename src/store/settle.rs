@@ -91,6 +91,11 @@ pub(super) struct Writes {
     pub(super) guard: Arc<str>,
     pub(super) probe: Arc<str>,
     pub(super) counts: Arc<str>,
+    /// The group's shared counts of this kind ($1 the kind, $2 how fresh as an
+    /// interval): read; read locked, skipping a row another node holds; written.
+    pub(super) shared_read: Arc<str>,
+    pub(super) shared_lock: Arc<str>,
+    pub(super) shared_write: Arc<str>,
     delete: Arc<str>,
     delete_fired: Arc<str>,
     fail: Arc<str>,
@@ -140,6 +145,13 @@ impl Writes {
                  count(*) FILTER (WHERE {deadline} <= now()) AS due, \
                  count(*) FILTER (WHERE {deadline} <= now() - $1::interval) AS overdue, \
                  count(*) FILTER (WHERE attempts > 0) AS failing FROM {t} AS m"
+            )
+            .into(),
+            shared_read: shared_read(schema).into(),
+            shared_lock: format!("{} FOR UPDATE SKIP LOCKED", shared_read(schema)).into(),
+            shared_write: format!(
+                "UPDATE {schema}.pending_counts SET counted_at = now(), pending = $2, due = $3, \
+                 overdue = $4, failing = $5 WHERE kind = $1"
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = ANY($1)").into(),
@@ -396,4 +408,14 @@ mod tests {
             assert!(w.delete_fired.contains(&table.deadline()));
         }
     }
+}
+
+/// The shared counts of one kind and whether they are fresh (see `Store::shared_counts`).
+fn shared_read(schema: &str) -> String {
+    format!(
+        "SELECT counted_at > now() - $2::interval AS fresh, \
+         greatest(extract(epoch FROM now()) - extract(epoch FROM counted_at), 0)::float8 \
+         AS age, pending, due, \
+         overdue, failing FROM {schema}.pending_counts WHERE kind = $1"
+    )
 }

@@ -762,3 +762,87 @@ async fn a_client_holds_neither_many_connections_nor_one_for_ever() {
     node.stop().await;
     world.cleanup().await;
 }
+
+/// The pending counts are counted once per group per `http.pending_refresh`, not once
+/// per node (docs/operating/metrics.md): three nodes at a 250 ms refresh write the shared
+/// counts (each write is one count) about four times a second per kind, and every node
+/// reports the true counts, fresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_counts_its_pending_rows_once_per_refresh() {
+    const ROWS: usize = 50;
+    const WINDOW: Duration = Duration::from_secs(5);
+    let mut world = World::new().await;
+    world.overrides.push(quick_pending_counts());
+    world.migrate().await;
+    // Every write of the shared counts, logged by a trigger of the test's own.
+    let s = &world.schema;
+    world
+        .exec(&format!(
+            "CREATE TABLE {s}.count_log (kind text, at timestamptz DEFAULT clock_timestamp())"
+        ))
+        .await;
+    world
+        .exec(&format!(
+            "CREATE FUNCTION {s}.log_count() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN INSERT INTO {s}.count_log (kind) VALUES (NEW.kind); RETURN NEW; END $$"
+        ))
+        .await;
+    world
+        .exec(&format!(
+            "CREATE TRIGGER log_count AFTER UPDATE ON {s}.pending_counts \
+             FOR EACH ROW EXECUTE FUNCTION {s}.log_count()"
+        ))
+        .await;
+    let inbox = Inbox::new().await;
+    for i in 0..ROWS {
+        let e = Expectation::new(&format!("counted-{i}"), "Reply", &inbox.queue)
+            .due_in(Duration::from_secs(3600));
+        world.expect(&e).await;
+    }
+    let procs = [
+        Proc::spawn(&world).await,
+        Proc::spawn(&world).await,
+        Proc::spawn(&world).await,
+    ];
+    // The expectations' gauge (`timeoutd_pending_rows` has a series per kind).
+    let pending = |text: &str| metric(text, "timeoutd_pending{");
+    for p in &procs {
+        wait_for_async(PATIENCE, "each node reports the pending rows", || async {
+            pending(&get(p.http_addr, "/metrics").await.1) == Some(ROWS as f64)
+        })
+        .await;
+    }
+    let from: chrono::DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&world.pool)
+        .await
+        .expect("now");
+    tokio::time::sleep(WINDOW).await;
+    let writes: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {s}.count_log WHERE kind = 'expectation' AND at >= $1 \
+         AND at < $1 + interval '5 seconds'"
+    )))
+    .bind(from)
+    .fetch_one(&world.pool)
+    .await
+    .expect("count log");
+    let refresh = Duration::from_millis(250);
+    let per_window = (WINDOW.as_millis() / refresh.as_millis()) as i64;
+    println!(
+        "shared counts: {writes} counts of expectations in {WINDOW:?} by a group of three at \
+         a {refresh:?} refresh (one per node would be {})",
+        3 * per_window
+    );
+    assert!(
+        writes <= per_window + 3,
+        "counted {writes} times in {WINDOW:?}: more than once per refresh"
+    );
+    assert!(writes >= 1, "nobody counted in {WINDOW:?}");
+    for p in &procs {
+        let (_, text) = get(p.http_addr, "/metrics").await;
+        assert_eq!(pending(&text), Some(ROWS as f64));
+        let age = labelled(&text, "timeoutd_pending_rows_age_seconds{", "expectation");
+        assert!(age.is_some_and(|a| a < 10.0), "fresh counts: {age:?}");
+    }
+    drop(procs);
+    world.cleanup().await;
+}

@@ -24,6 +24,7 @@ fn grants(schema: &str, daemon: &str, manager: &str) -> Vec<String> {
             "GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.delayed_messages, \
              {schema}.delayed_cancels, {schema}.delayed_usage TO {daemon}"
         ),
+        format!("GRANT SELECT, UPDATE ON {schema}.pending_counts TO {daemon}"),
         format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.expected_messages TO {manager}"),
     ]
 }
