@@ -511,10 +511,10 @@ impl Store {
         let shared = |row: &sqlx::postgres::PgRow| -> Result<_, StoreError> {
             let age: f64 = row.try_get("age")?;
             // '-infinity': never counted yet, nothing to report.
-            Ok(Duration::try_from_secs_f64(age)
+            Duration::try_from_secs_f64(age)
                 .ok()
                 .map(|age| PendingCounts::from_row(row).map(|c| (c, age)))
-                .transpose()?)
+                .transpose()
         };
         let row = sqlx::query(safe(&w.shared_read))
             .bind(kind)
