@@ -391,6 +391,16 @@ fn truncate(error: &str) -> String {
     error.chars().take(MAX_ERROR_CHARS).collect()
 }
 
+/// The shared counts of one kind and whether they are fresh (see `Store::shared_counts`).
+fn shared_read(schema: &str) -> String {
+    format!(
+        "SELECT counted_at > now() - $2::interval AS fresh, \
+         greatest(extract(epoch FROM now()) - extract(epoch FROM counted_at), 0)::float8 \
+         AS age, pending, due, \
+         overdue, failing FROM {schema}.pending_counts WHERE kind = $1"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use crate::store::Sql;
@@ -408,14 +418,4 @@ mod tests {
             assert!(w.delete_fired.contains(&table.deadline()));
         }
     }
-}
-
-/// The shared counts of one kind and whether they are fresh (see `Store::shared_counts`).
-fn shared_read(schema: &str) -> String {
-    format!(
-        "SELECT counted_at > now() - $2::interval AS fresh, \
-         greatest(extract(epoch FROM now()) - extract(epoch FROM counted_at), 0)::float8 \
-         AS age, pending, due, \
-         overdue, failing FROM {schema}.pending_counts WHERE kind = $1"
-    )
 }
