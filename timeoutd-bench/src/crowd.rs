@@ -130,6 +130,12 @@ pub(crate) struct Connections {
     /// Sessions named `timeoutd…` that belong to none of the nodes (a CLI, a migration),
     /// max over the run.
     pub(crate) unattributed_max: i64,
+    /// Where a passive node held more than one session: the first such sample and how
+    /// many samples (node-samples) did.
+    pub(crate) passive_over_one: Option<String>,
+    pub(crate) passive_over_one_samples: usize,
+    /// The last sample (seconds after the first spawn) in which one did.
+    pub(crate) passive_over_one_last_s: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -167,8 +173,8 @@ pub(crate) struct BigGroup {
     pub(crate) connections: Connections,
     pub(crate) cost: RoleCost,
     pub(crate) takeover: Takeover,
-    /// Daemons that did not exit 0 after SIGTERM at the end.
-    pub(crate) unclean_stops: usize,
+    /// Every daemon stopped with SIGTERM at once at the end.
+    pub(crate) stop: MassStop,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -189,7 +195,7 @@ pub(crate) struct ManyGroups {
     pub(crate) foreign_rows: usize,
     /// TimeOuts fired by a node that is not a member of the row's group.
     pub(crate) fired_by_outsider: usize,
-    pub(crate) unclean_stops: usize,
+    pub(crate) stop: MassStop,
 }
 
 /// One group's names, settings and consumer.
@@ -359,12 +365,14 @@ fn agreed(statuses: &[Option<NodeStatus>]) -> Option<Uuid> {
 }
 
 /// Ask every member of each site until each site agrees; per site, when it first did
-/// (from `t0`) and its active node. Learns each member's node id on the way.
+/// (from `t0`) and its active node. Learns each member's node id on the way, and adds
+/// every node that said it was active to `seen_active`.
 async fn wait_agreed(
     members: &mut [Member],
     sites: usize,
     skip: Option<usize>,
     t0: Instant,
+    seen_active: &mut HashSet<Uuid>,
 ) -> Result<Vec<(f64, Uuid)>> {
     let mut done: Vec<Option<(f64, Uuid)>> = vec![None; sites];
     let deadline = Instant::now() + ELECT_LIMIT;
@@ -389,6 +397,9 @@ async fn wait_agreed(
         for (m, a) in members.iter_mut().zip(&answers) {
             if let Some(s) = a {
                 m.node_id = Some(s.node_id);
+                if s.role == "active" {
+                    seen_active.insert(s.node_id);
+                }
             }
         }
         for (site, slot) in done.iter_mut().enumerate() {
@@ -411,10 +422,43 @@ async fn wait_agreed(
         }
         if Instant::now() >= deadline {
             let missing = done.iter().filter(|d| d.is_none()).count();
-            bail!("{missing} group(s) did not agree on one active node within {ELECT_LIMIT:?}");
+            let census = census(members, skip).await;
+            bail!(
+                "{missing} group(s) did not agree on one active node within {ELECT_LIMIT:?}; \
+                 what the nodes say: {census}"
+            );
         }
         tokio::time::sleep(POLL_EVERY).await;
     }
+}
+
+/// What the nodes' `/status` say, counted: role, settled, broker connected, database.
+async fn census(members: &[Member], skip: Option<usize>) -> String {
+    let asked = members
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| Some(*i) != skip)
+        .map(|(_, m)| async move {
+            match get(m.daemon.http, "/status", Duration::from_secs(2)).await {
+                Ok((200, body)) => match serde_json::from_str::<serde_json::Value>(&body) {
+                    Ok(v) => format!(
+                        "role {}, settled {}, bus_connected {}, database_ok {}",
+                        v["role"], v["settled"], v["bus_connected"], v["database_ok"]
+                    ),
+                    Err(_) => "unreadable /status".to_owned(),
+                },
+                Ok((code, _)) => format!("/status answered {code}"),
+                Err(_) => "no answer".to_owned(),
+            }
+        });
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for s in join_all(asked).await {
+        *counts.entry(s).or_default() += 1;
+    }
+    let mut counts: Vec<(String, usize)> = counts.into_iter().collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1));
+    let parts: Vec<String> = counts.iter().map(|(s, n)| format!("{n}× {s}")).collect();
+    parts.join("; ")
 }
 
 /// One sample of `pg_stat_activity`: sessions per `application_name`.
@@ -482,13 +526,16 @@ fn sessions(sample: &ConnSample, node: Uuid) -> (i64, i64) {
     (get(&pool), get(&observe))
 }
 
-/// Connections per role from the samples. `active` are the nodes that were active at
-/// some time; `quiet` is the quiet window.
+/// Connections per role from the samples. `active` are the nodes that were ever seen
+/// active, `quiet_active` those active during `quiet`, the quiet window; `t0` the first
+/// spawn.
 fn connections(
     samples: &[ConnSample],
     nodes: &[Uuid],
     active: &HashSet<Uuid>,
+    quiet_active: &HashSet<Uuid>,
     quiet: (Instant, Instant),
+    t0: Instant,
 ) -> Connections {
     let mut c = Connections {
         samples: samples.len(),
@@ -499,7 +546,7 @@ fn connections(
         .flat_map(|n| [format!("timeoutd-{n}"), format!("timeoutd-{n}-observe")])
         .collect();
     let (mut passive_quiet, mut active_quiet, mut total_quiet) = (Vec::new(), Vec::new(), Vec::new());
-    let passive_count = nodes.iter().filter(|n| !active.contains(n)).count().max(1);
+    let passive_count = nodes.iter().filter(|n| !active.contains(*n)).count().max(1);
     for s in samples {
         let in_quiet = s.at >= quiet.0 && s.at <= quiet.1;
         let (mut total, mut observe, mut passive_sum) = (0, 0, 0);
@@ -508,14 +555,24 @@ fn connections(
             let held = pool + obs;
             total += held;
             observe += obs;
+            if in_quiet && quiet_active.contains(&n) {
+                active_quiet.push(held as f64);
+            }
             if active.contains(&n) {
                 c.active_max = c.active_max.max(held);
-                if in_quiet && held > 0 {
-                    active_quiet.push(held as f64);
-                }
             } else {
                 c.passive_max = c.passive_max.max(held);
                 passive_sum += held;
+                if held > 1 {
+                    c.passive_over_one_samples += 1;
+                    c.passive_over_one_last_s = Some((s.at - t0).as_secs_f64());
+                    c.passive_over_one.get_or_insert_with(|| {
+                        format!(
+                            "node {n}, {:.1} s after the first spawn: pool {pool}, counts {obs}",
+                            (s.at - t0).as_secs_f64()
+                        )
+                    });
+                }
             }
         }
         let unattributed: i64 = s
@@ -595,9 +652,12 @@ async fn listen_announcements(
         .queue_declare("".into(), declare, FieldTable::default())
         .await?;
     for site in sites {
+        // As the daemons declare it: in a fresh vhost it does not exist before them.
+        let exchange = &site.settings.amqp.announce_exchange;
+        declare_target(&env.amqp, exchange).await?;
         ch.queue_bind(
             q.name().clone(),
-            site.settings.amqp.announce_exchange.as_str().into(),
+            exchange.as_str().into(),
             site.group.as_str().into(),
             QueueBindOptions::default(),
             FieldTable::default(),
@@ -697,10 +757,70 @@ fn spawn_all(env: &Env, sites: &[Site], layout: &[usize]) -> Result<Vec<Member>>
         .collect()
 }
 
-/// SIGTERM to every member at once; how many did not exit 0.
-async fn stop_all(members: Vec<Member>) -> usize {
-    let stops = members.into_iter().map(|m| m.daemon.stop());
-    join_all(stops).await.iter().filter(|r| r.is_err()).count()
+/// How a mass stop went: SIGTERM to every member at once.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct MassStop {
+    pub(crate) daemons: usize,
+    /// From SIGTERM to the exit, per daemon: median and max.
+    pub(crate) median_ms: f64,
+    pub(crate) max_ms: f64,
+    /// Exit codes other than 0, with what the daemons said they gave up on.
+    pub(crate) unclean: usize,
+    pub(crate) reasons: Vec<(String, usize)>,
+}
+
+async fn stop_all(members: Vec<Member>) -> MassStop {
+    let stops = members.into_iter().map(|m| stop_one(m.daemon));
+    let outcomes = join_all(stops).await;
+    let mut reasons: HashMap<String, usize> = HashMap::new();
+    let mut took = Vec::new();
+    for (ms, reason) in &outcomes {
+        took.push(*ms);
+        if let Some(r) = reason {
+            *reasons.entry(r.clone()).or_default() += 1;
+        }
+    }
+    let mut reasons: Vec<(String, usize)> = reasons.into_iter().collect();
+    reasons.sort_by(|a, b| b.1.cmp(&a.1));
+    MassStop {
+        daemons: outcomes.len(),
+        max_ms: max(&took),
+        median_ms: median(took),
+        unclean: reasons.iter().map(|r| r.1).sum(),
+        reasons,
+    }
+}
+
+/// SIGTERM, then the exit (SIGKILL after 20 s): how long it took, and for an exit other
+/// than 0 its code and what the daemon's log said it gave up on.
+async fn stop_one(mut d: Daemon) -> (f64, Option<String>) {
+    let started = Instant::now();
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &d.pid.to_string()])
+        .status();
+    if !term.is_ok_and(|s| s.success()) {
+        let _ = d.child.start_kill();
+    }
+    let status = tokio::time::timeout(Duration::from_secs(20), d.child.wait()).await;
+    let ms = started.elapsed().as_secs_f64() * 1e3;
+    let code = match status {
+        Ok(Ok(s)) if s.success() => return (ms, None),
+        Ok(Ok(s)) => s.code().map_or("a signal".to_owned(), |c| format!("exit {c}")),
+        Ok(Err(e)) => format!("wait failed: {e}"),
+        Err(_) => {
+            let _ = d.child.start_kill();
+            "no exit within 20 s (killed)".to_owned()
+        }
+    };
+    // Give the log reader the last lines (the exit races the pipe).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let gave_up = d
+        .log
+        .tail()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get("abandoned").and_then(|a| a.as_str()).map(str::to_owned));
+    (ms, Some(format!("{code}: {}", gave_up.unwrap_or_default())))
 }
 
 /// Rows due one after another, `every` apart from `first`, routed to the site's queue.
@@ -794,7 +914,9 @@ async fn big_group(env: &Env, sites: &[Site], plan: CrowdPlan) -> Result<BigGrou
     let mut members = spawn_all(env, sites, &vec![0; plan.nodes])?;
     let spawn_s = t0.elapsed().as_secs_f64();
     println!("   {} daemons spawned in {spawn_s:.2} s", plan.nodes);
-    let [(elect_s, first)] = wait_agreed(&mut members, 1, None, t0).await?[..] else {
+    let mut seen_active = HashSet::new();
+    let [(elect_s, first)] = wait_agreed(&mut members, 1, None, t0, &mut seen_active).await?[..]
+    else {
         bail!("one group, one answer");
     };
     let elected = t0 + Duration::from_secs_f64(elect_s);
@@ -818,11 +940,12 @@ async fn big_group(env: &Env, sites: &[Site], plan: CrowdPlan) -> Result<BigGrou
             .len(),
         during_start: heard.between(t0, elected).len(),
     };
-    let (takeover, successor) = takeover(env, site, &mut members, first, t0).await?;
+    let (takeover, successor) =
+        takeover(env, site, &mut members, first, t0, &mut seen_active).await?;
     let samples = sampler.stop();
     listener.abort();
-    let both: HashSet<Uuid> = [first, successor.0].into();
-    let connections = connections(&samples, &nodes, &both, quiet);
+    seen_active.insert(successor.0);
+    let connections = connections(&samples, &nodes, &seen_active, &active, quiet, t0);
     let successor_connections_max = samples
         .iter()
         .filter(|s| s.at >= successor.1)
@@ -832,7 +955,7 @@ async fn big_group(env: &Env, sites: &[Site], plan: CrowdPlan) -> Result<BigGrou
         })
         .max()
         .unwrap_or(0);
-    let unclean_stops = stop_all(members).await;
+    let stop = stop_all(members).await;
     Ok(BigGroup {
         nodes: plan.nodes,
         spawn_s,
@@ -844,7 +967,7 @@ async fn big_group(env: &Env, sites: &[Site], plan: CrowdPlan) -> Result<BigGrou
             successor_connections_max,
             ..takeover
         },
-        unclean_stops,
+        stop,
     })
 }
 
@@ -856,6 +979,7 @@ async fn takeover(
     members: &mut Vec<Member>,
     active: Uuid,
     t0: Instant,
+    seen_active: &mut HashSet<Uuid>,
 ) -> Result<(Takeover, (Uuid, Instant))> {
     let first = Utc::now() + chrono::Duration::seconds(1);
     let n = TAKEOVER_BEFORE + TAKEOVER_AFTER;
@@ -871,7 +995,7 @@ async fn takeover(
     let killed_at = Utc::now();
     let killed = Instant::now();
     let _ = members[victim].daemon.child.wait().await;
-    let agreed = wait_agreed(members, 1, Some(victim), t0).await?;
+    let agreed = wait_agreed(members, 1, Some(victim), t0, seen_active).await?;
     let (agreed_after_t0, successor) = agreed[0];
     let agreed_at = t0 + Duration::from_secs_f64(agreed_after_t0);
     members.remove(victim);
@@ -936,7 +1060,8 @@ async fn many_groups(env: &Env, sites: &[Site], plan: CrowdPlan) -> Result<ManyG
     let mut members = spawn_all(env, sites, &layout)?;
     let spawn_s = t0.elapsed().as_secs_f64();
     println!("   {} daemons in {} groups spawned in {spawn_s:.2} s", layout.len(), plan.groups);
-    let agreed = wait_agreed(&mut members, plan.groups, None, t0).await?;
+    let mut seen_active = HashSet::new();
+    let agreed = wait_agreed(&mut members, plan.groups, None, t0, &mut seen_active).await?;
     let elect_s: Vec<f64> = agreed.iter().map(|a| a.0).collect();
     let all_elected = t0 + Duration::from_secs_f64(max(&elect_s));
     println!("   every group agrees after {:.2} s", max(&elect_s));
@@ -981,7 +1106,7 @@ async fn many_groups(env: &Env, sites: &[Site], plan: CrowdPlan) -> Result<ManyG
         early: 0,
         foreign_rows: 0,
         fired_by_outsider: 0,
-        unclean_stops: 0,
+        stop: MassStop::default(),
     };
     for (i, (site, rows)) in sites.iter().zip(&expected).enumerate() {
         let due: HashMap<Uuid, DateTime<Utc>> = rows.iter().copied().collect();
@@ -1009,8 +1134,9 @@ async fn many_groups(env: &Env, sites: &[Site], plan: CrowdPlan) -> Result<ManyG
         g.lost += rows.len() - seen.len();
     }
     let nodes: Vec<Uuid> = members.iter().filter_map(|m| m.node_id).collect();
-    g.connections = connections(&samples, &nodes, &active, quiet);
-    g.unclean_stops = stop_all(members).await;
+    seen_active.extend(active.iter().copied());
+    g.connections = connections(&samples, &nodes, &seen_active, &active, quiet, t0);
+    g.stop = stop_all(members).await;
     Ok(g)
 }
 
@@ -1078,12 +1204,7 @@ pub(crate) fn crowd_lines(c: &Crowd) -> Vec<Line> {
         "0 lost, 0 early",
         Some(t.lost == 0 && t.early == 0),
     ));
-    lines.push(line(
-        &name("stops not exiting 0 after SIGTERM"),
-        b.unclean_stops.to_string(),
-        "0",
-        Some(b.unclean_stops == 0),
-    ));
+    lines.push(stop_line(&name, &b.stop));
     if let Some(g) = &c.groups {
         let name = |what: &str| format!("{} groups of {}: {what}", g.groups, g.group_size);
         let mut sorted = g.elect_s.clone();
@@ -1125,24 +1246,44 @@ pub(crate) fn crowd_lines(c: &Crowd) -> Vec<Line> {
                     && g.fired_by_outsider == 0,
             ),
         ));
-        lines.push(line(
-            &name("stops not exiting 0 after SIGTERM"),
-            g.unclean_stops.to_string(),
-            "0",
-            Some(g.unclean_stops == 0),
-        ));
+        lines.push(stop_line(&name, &g.stop));
     }
     lines
+}
+
+fn stop_line(name: &dyn Fn(&str) -> String, s: &MassStop) -> Line {
+    let reasons: Vec<String> = s.reasons.iter().map(|(r, n)| format!("{n}× {r}")).collect();
+    line(
+        &name("all stopped at once (SIGTERM): exit within median / max; not exit 0"),
+        format!(
+            "{:.0} / {:.0} ms; {} of {}{}{}",
+            s.median_ms,
+            s.max_ms,
+            s.unclean,
+            s.daemons,
+            if reasons.is_empty() { "" } else { ": " },
+            reasons.join("; ")
+        ),
+        "0 not exit 0",
+        Some(s.unclean == 0),
+    )
 }
 
 fn connection_lines(name: &dyn Fn(&str) -> String, c: &Connections) -> Vec<Line> {
     vec![
         line(
             &name("Postgres sessions per passive node (max over the run)"),
-            format!(
-                "{} (mean {:.2} in the quiet window)",
-                c.passive_max, c.passive_mean_quiet
-            ),
+            match &c.passive_over_one {
+                None => format!("{} (mean {:.2} in the quiet window)", c.passive_max, c.passive_mean_quiet),
+                Some(first) => format!(
+                    "{} (mean {:.2} in the quiet window); more than 1 in {} node-samples, \
+                     first: {first}; last {:.1} s after the first spawn",
+                    c.passive_max,
+                    c.passive_mean_quiet,
+                    c.passive_over_one_samples,
+                    c.passive_over_one_last_s.unwrap_or(f64::NAN)
+                ),
+            },
             "≤ 1",
             Some(c.passive_max <= 1),
         ),
@@ -1241,6 +1382,7 @@ pub(crate) fn crowd_measurements(c: &Crowd) -> Vec<Measurement> {
         (name("kill -9: TimeOuts early"), "", t.early as f64, zero),
         (name("kill -9: TimeOuts duplicated"), "", t.duplicates as f64, None),
     ]);
+    m.extend(stop_measurements(&name, &b.stop));
     if let Some(g) = &c.groups {
         let name = |what: &str| format!("{} groups of {}: {what}", g.groups, g.group_size);
         let mut sorted = g.elect_s.clone();
@@ -1268,8 +1410,17 @@ pub(crate) fn crowd_measurements(c: &Crowd) -> Vec<Measurement> {
                 zero,
             ),
         ]);
+        m.extend(stop_measurements(&name, &g.stop));
     }
     m
+}
+
+fn stop_measurements(name: &dyn Fn(&str) -> String, s: &MassStop) -> Vec<Measurement> {
+    vec![
+        (name("mass SIGTERM: exit, median"), "ms", s.median_ms, None),
+        (name("mass SIGTERM: exit, max"), "ms", s.max_ms, None),
+        (name("mass SIGTERM: not exit 0"), "", s.unclean as f64, None),
+    ]
 }
 
 fn connection_measurements(name: &dyn Fn(&str) -> String, c: &Connections) -> Vec<Measurement> {
