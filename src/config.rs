@@ -130,6 +130,10 @@ pub struct Amqp {
 #[serde(deny_unknown_fields)]
 pub struct Postgres {
     pub url: SecretUrl,
+    /// Where what needs a session of its own connects ("" = `url`); see
+    /// [`Postgres::session_url`].
+    #[serde(rename = "session_url")]
+    pub session: SecretUrl,
     pub schema: String,
     pub migrate_on_start: bool,
     #[serde(deserialize_with = "optional_path", serialize_with = "ser_opt_path")]
@@ -330,6 +334,16 @@ fn optional_path<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::
     Ok((!s.trim().is_empty()).then(|| PathBuf::from(s.trim())))
 }
 
+impl Postgres {
+    /// `postgres.session_url` when set: the LISTEN session and the migrations (an
+    /// advisory lock held across statements) connect there, and `url` is taken to go
+    /// through a pooler in transaction mode, which cannot keep settings per client
+    /// session (docs/operating/pgbouncer.md).
+    pub fn session_url(&self) -> Option<&SecretUrl> {
+        Some(&self.session).filter(|u| !u.expose().trim().is_empty())
+    }
+}
+
 impl Settings {
     /// Defaults, then `file`, then the process environment.
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
@@ -368,7 +382,10 @@ impl Settings {
     /// Every rule a value must meet, each refusal naming its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_amqp_urls(&self.amqp.url)?;
-        check_pg_url(&self.postgres.url)?;
+        check_pg_url("postgres.url", &self.postgres.url)?;
+        if let Some(session) = self.postgres.session_url() {
+            check_pg_url("postgres.session_url", session)?;
+        }
         check_name("amqp.announce_exchange", &self.amqp.announce_exchange)?;
         timeoutd_client::Schema::new(&self.postgres.schema)
             .map_err(|e| ConfigError::invalid("postgres.schema", e.to_string()))?;
@@ -754,12 +771,11 @@ fn check_amqp_urls(urls: &SecretUrls) -> Result<(), ConfigError> {
 }
 
 /// A single-host URL, or libpq's multi-host form: each host checked as a URL of its own.
-fn check_pg_url(url: &SecretUrl) -> Result<(), ConfigError> {
-    const KEY: &str = "postgres.url";
+fn check_pg_url(key: &str, url: &SecretUrl) -> Result<(), ConfigError> {
     let hosts = pg_hosts(url.expose())
-        .map_err(|e| ConfigError::invalid(KEY, format!("{e}: {}", url.redacted())))?;
+        .map_err(|e| ConfigError::invalid(key, format!("{e}: {}", url.redacted())))?;
     for host in &hosts.urls {
-        check_url(KEY, host.expose(), &["postgres", "postgresql"])?;
+        check_url(key, host.expose(), &["postgres", "postgresql"])?;
     }
     Ok(())
 }

@@ -201,10 +201,7 @@ impl Stops {
     fn begin(&self, stores: &[Store]) {
         self.stopping.asked();
         for store in stores {
-            // Marks the pool closed at once (the future would only wait for the
-            // connections in use): a connection given back from now on is closed, not
-            // tested with a round trip that a slow or silent database could hold up.
-            drop(store.pool().close());
+            store.close_now();
         }
         self.stop.cancel();
     }

@@ -554,6 +554,7 @@ async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, notices: Arc<Noti
     // ends with the pool: that is the stop, not a lost connection.
     let stopping = || shared.store.pool().is_closed();
     loop {
+        let moves = shared.store.host_moves();
         let listening = shared.store.listener().await;
         if listening.is_err() && stopping() {
             return;
@@ -564,13 +565,20 @@ async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, notices: Arc<Noti
                 backoff.reset();
                 notices.listening.store(true, Ordering::Relaxed);
                 send(Notice::ANY);
-                let lost = forward(&shared, &mut listener, &send).await;
+                let ended = forward(&shared, &mut listener, moves, &send).await;
                 notices.listening.store(false, Ordering::Relaxed);
-                let Some(e) = lost.filter(|_| !stopping()) else {
-                    return;
-                };
-                tracing::warn!(error = %e, "LISTEN connection lost; probing every tick meanwhile");
-                shared.health.fail(Check::Listen, Instant::now());
+                match ended {
+                    Listened::Moved => {
+                        tracing::info!("the pool moved to another Postgres host: LISTEN there");
+                        continue;
+                    }
+                    Listened::Stopped => return,
+                    Listened::Lost(_) if stopping() => return,
+                    Listened::Lost(e) => {
+                        tracing::warn!(error = %e, "LISTEN connection lost; probing every tick meanwhile");
+                        shared.health.fail(Check::Listen, Instant::now());
+                    }
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %Chain(&e), "cannot LISTEN; probing every tick meanwhile")
@@ -582,23 +590,44 @@ async fn listen(shared: Arc<Firing>, tx: mpsc::Sender<Notice>, notices: Arc<Noti
     }
 }
 
-/// Notifications of `listener` until it is lost (why) or we stop (`None`).
+/// How a LISTEN session ended.
+enum Listened {
+    Stopped,
+    /// The connection failed (why).
+    Lost(String),
+    /// The pool moved to another host: notices come from there now.
+    Moved,
+}
+
+/// Notifications of `listener` until it is lost, the pool moves to another host, or we
+/// stop.
 async fn forward(
     shared: &Firing,
     listener: &mut sqlx::postgres::PgListener,
+    moves: Option<watch::Receiver<u64>>,
     send: &impl Fn(Notice),
-) -> Option<String> {
+) -> Listened {
+    let moved = async {
+        let Some(mut moves) = moves else {
+            return std::future::pending().await;
+        };
+        if moves.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::pin!(moved);
     loop {
         let next = tokio::select! {
-            _ = shared.stop.cancelled() => return None,
+            _ = shared.stop.cancelled() => return Listened::Stopped,
+            _ = &mut moved => return Listened::Moved,
             n = listener.try_recv() => n,
         };
         match next {
             Ok(Some(n)) => send(parse_notice(n.payload())),
             // sqlx would reconnect on the next call, but only a new LISTEN tells us when
             // it is back, and the look after it must come after it.
-            Ok(None) => return Some("the connection closed".to_owned()),
-            Err(e) => return Some(Chain(&e).to_string()),
+            Ok(None) => return Listened::Lost("the connection closed".to_owned()),
+            Err(e) => return Listened::Lost(Chain(&e).to_string()),
         }
     }
 }

@@ -195,12 +195,21 @@ pub(crate) struct Counting {
 }
 
 impl Counting {
-    fn store(&self) -> &Store {
+    /// The store to count on now, and whether it is the pool.
+    fn store(&self) -> (&Store, bool) {
         if *self.role.borrow() == Role::Active {
-            &self.observer
+            (&self.observer, false)
         } else {
             self.observer.trim(0);
-            &self.pool
+            (&self.pool, true)
+        }
+    }
+
+    /// Resolves when the node becomes active (never if the role is no longer published).
+    async fn activated(&self) {
+        let mut role = self.role.clone();
+        if role.wait_for(|r| *r == Role::Active).await.is_err() {
+            std::future::pending::<()>().await;
         }
     }
 }
@@ -220,10 +229,17 @@ pub(crate) async fn count_pending(
     let mut quiet = LogLimiter::new(COUNT_LOG_EVERY);
     loop {
         for table in TABLES {
-            let store = counting.store();
-            let counted = tokio::select! {
-                _ = stop.cancelled() => return,
-                c = bounded(limit, store.counts(table, late)) => c,
+            let counted = loop {
+                let (store, on_pool) = counting.store();
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    // Once active, the pool's connections are the firing's: a count
+                    // begun there while passive is given up and made again on the
+                    // observer's (the statement ends on the server within its bound,
+                    // then the connection goes back to the pool, which has room for it).
+                    _ = counting.activated(), if on_pool => continue,
+                    c = bounded(limit, store.counts(table, late)) => break c,
+                }
             };
             match counted {
                 Ok(c) => probe.metrics.set_pending(table.kind(), c),

@@ -240,6 +240,9 @@ pub struct Store {
     hosts: Option<Arc<hosts::Hosts>>,
     /// Probes and counts share one connection (see [`Store::acquire`]).
     lean: Arc<AtomicBool>,
+    /// With `postgres.session_url`: a pool of one on that address, for what needs a
+    /// session of its own (see [`Store::session`]).
+    session: Option<Box<Store>>,
 }
 
 impl Store {
@@ -252,27 +255,61 @@ impl Store {
     /// As [`Store::connect`], naming the sessions (`application_name`) so an operator
     /// can tell the nodes' backends apart in `pg_stat_activity`.
     pub fn connect_as(settings: &config::Postgres, name: &str) -> Result<Self, StoreError> {
-        Self::with_connections(settings, name, settings.max_connections)
+        let pooled = settings.session_url().is_some();
+        let mut store = Self::open(
+            settings,
+            &settings.url,
+            name,
+            settings.max_connections,
+            pooled,
+        )?;
+        if let Some(url) = settings.session_url() {
+            store.session = Some(Box::new(Self::open(settings, url, name, 1, false)?));
+        }
+        Ok(store)
     }
 
     /// A store of one connection, apart from the firing pool: what observers (the
     /// pending gauges) use, so that no number of them can take a connection the firing
     /// needs, nor run more than one statement at a time.
     pub(crate) fn observer(settings: &config::Postgres, name: &str) -> Result<Self, StoreError> {
-        Self::with_connections(settings, name, 1)
+        let pooled = settings.session_url().is_some();
+        Self::open(settings, &settings.url, name, 1, pooled)
     }
 
-    fn with_connections(
+    /// A lazy pool of up to `connections` on `url`. `pooled`: `url` goes through a
+    /// transaction pooler, which cannot keep settings per client session: none are sent,
+    /// and every new connection must find the server's own bounds in force.
+    fn open(
         settings: &config::Postgres,
+        url: &config::SecretUrl,
         name: &str,
         connections: u32,
+        pooled: bool,
     ) -> Result<Self, StoreError> {
-        let (options, hosts) = hosts::Hosts::new(settings, |o| connect_options(settings, name, o))?;
+        let (options, hosts) = hosts::Hosts::new(url, settings, |o| {
+            connect_options(settings, name, pooled, o)
+        })?;
         let mut pool = PgPoolOptions::new()
             .max_connections(connections)
             .acquire_timeout(settings.connect_timeout);
         if let Some(hosts) = &hosts {
             pool = hosts.hooks(pool);
+        }
+        if hosts.is_some() || pooled {
+            let hosts = hosts.clone();
+            pool = pool.after_connect(move |conn, _| {
+                let hosts = hosts.clone();
+                Box::pin(async move {
+                    if let Some(hosts) = hosts {
+                        hosts.on_connect(conn).await?;
+                    }
+                    if pooled {
+                        server_bounds(conn).await?;
+                    }
+                    Ok(())
+                })
+            });
         }
         Ok(Self {
             pool: pool.connect_lazy_with(options),
@@ -280,7 +317,14 @@ impl Store {
             sql: Sql::new(&settings.schema),
             hosts,
             lean: Arc::default(),
+            session: None,
         })
+    }
+
+    /// Where a session of its own goes — the LISTEN connection, the migrations'
+    /// advisory lock: the `postgres.session_url` pool when set, else this one.
+    fn session(&self) -> &Store {
+        self.session.as_deref().unwrap_or(self)
     }
 
     /// Before using the pool: its host found (see `hosts`).
@@ -302,6 +346,14 @@ impl Store {
         e
     }
 
+    /// Changes each time the pool moves to another host of a multi-host
+    /// `postgres.url`; `None` with nothing to move to. A session held outside the pool
+    /// (the LISTEN connection) would otherwise stay on a host turned read-only but up,
+    /// where no notice ever comes.
+    pub(crate) fn host_moves(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.session().hosts.as_ref().map(|h| h.moves())
+    }
+
     pub fn schema(&self) -> &str {
         &self.schema
     }
@@ -320,9 +372,13 @@ impl Store {
         // A node of this version must still start after a newer one migrated the schema
         // (a rolling upgrade, or a rollback): migrations only ever add.
         migrator.set_ignore_missing(true);
-        self.ready().await?;
-        self.check_session().await?;
-        migrator.run(&self.pool).await.map_err(|e| self.seen(e))?;
+        let session = self.session();
+        session.ready().await?;
+        session.check_session().await?;
+        migrator
+            .run(&session.pool)
+            .await
+            .map_err(|e| session.seen(e))?;
         Ok(())
     }
 
@@ -440,10 +496,11 @@ impl Store {
     /// A listener on [`Store::notify_channel`] (one pooled connection, held while the
     /// listener lives: the scan opens it only while active, see `scheduler::listen`).
     pub async fn listener(&self) -> Result<PgListener, StoreError> {
-        self.ready().await?;
-        let mut listener = PgListener::connect_with(&self.pool)
+        let session = self.session();
+        session.ready().await?;
+        let mut listener = PgListener::connect_with(&session.pool)
             .await
-            .map_err(|e| self.seen(e))?;
+            .map_err(|e| session.seen(e))?;
         // A lost connection ends the listener: the scan must know when it listens again
         // (see `scheduler::listen`), which sqlx's own reconnect would hide.
         listener.eager_reconnect(false);
@@ -515,7 +572,19 @@ impl Store {
     }
 
     pub async fn close(&self) {
+        if let Some(session) = &self.session {
+            session.pool.close().await;
+        }
         self.pool.close().await;
+    }
+
+    /// Mark the pools closed at once, without waiting for the connections in use: a
+    /// connection given back from now on is closed, not tested with a round trip that a
+    /// slow or silent database could hold up.
+    pub(crate) fn close_now(&self) {
+        for pool in std::iter::once(&self.pool).chain(self.session.iter().map(|s| &s.pool)) {
+            drop(pool.close());
+        }
     }
 }
 
@@ -564,9 +633,12 @@ fn safe(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
 }
 
 /// One host's options (`base`, from its URL) completed with our session settings.
+/// The options of a connection: its name, and unless `pooled` (see [`Store::open`]) the
+/// session settings, sent at startup (no round trip).
 fn connect_options(
     settings: &config::Postgres,
     name: &str,
+    pooled: bool,
     base: PgConnectOptions,
 ) -> PgConnectOptions {
     let timeout = settings.statement_timeout.as_millis().to_string();
@@ -574,14 +646,18 @@ fn connect_options(
     // trigger) gives up early and is retried later; the scan itself never waits for row
     // locks (SKIP LOCKED).
     let lock_timeout = (settings.statement_timeout / 4).min(Duration::from_secs(1));
-    let mut options = base.application_name(name).options([
-        ("search_path", settings.schema.clone()),
-        ("statement_timeout", timeout.clone()),
-        ("lock_timeout", lock_timeout.as_millis().to_string()),
-        // A scanner frozen mid-batch (SIGSTOP, a dead VM) must not hold its row locks
-        // forever: the server ends the session and the rows become visible again.
-        ("idle_in_transaction_session_timeout", timeout),
-    ]);
+    let mut options = base.application_name(name);
+    if !pooled {
+        options = options.options([
+            ("search_path", settings.schema.clone()),
+            ("statement_timeout", timeout.clone()),
+            ("lock_timeout", lock_timeout.as_millis().to_string()),
+            // A scanner frozen mid-batch (SIGSTOP, a dead VM) must not hold its row
+            // locks forever: the server ends the session and the rows become visible
+            // again.
+            ("idle_in_transaction_session_timeout", timeout),
+        ]);
+    }
     if let Some(ca) = &settings.ca_file {
         options = options.ssl_root_cert(ca);
         // As libpq: given a root certificate, `require` also verifies the chain.
@@ -590,6 +666,40 @@ fn connect_options(
         }
     }
     options
+}
+
+/// Through a transaction pooler the server's own settings bound every statement and
+/// every transaction left open (a node frozen mid-batch must not hold its row locks
+/// forever): a connection without them is refused, naming what to set.
+async fn server_bounds(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+    const BOUNDS: [&str; 2] = ["statement_timeout", "idle_in_transaction_session_timeout"];
+    let (statement, idle): (String, String) = sqlx::query_as(
+        "SELECT current_setting('statement_timeout'), \
+                current_setting('idle_in_transaction_session_timeout')",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let unbounded: Vec<&str> = BOUNDS
+        .into_iter()
+        .zip([statement, idle])
+        .filter(|(_, v)| v == "0")
+        .map(|(k, _)| k)
+        .collect();
+    if unbounded.is_empty() {
+        return Ok(());
+    }
+    let (names, verb) = match unbounded.as_slice() {
+        [one] => ((*one).to_owned(), "is"),
+        _ => (unbounded.join(" and "), "are"),
+    };
+    Err(sqlx::Error::Configuration(
+        format!(
+            "through a transaction pooler (postgres.session_url is set) the server must bound \
+             the sessions, but {names} {verb} 0 here: set them for the daemons' role or \
+             database (ALTER ROLE … SET …; see docs/operating/pgbouncer.md)"
+        )
+        .into(),
+    ))
 }
 
 #[cfg(test)]

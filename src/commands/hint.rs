@@ -9,7 +9,7 @@ use crate::bus::BusError;
 use crate::config::Settings;
 
 /// SQLSTATEs (Postgres appendix A) with their hint.
-const SQLSTATE_HINTS: [(&str, &str); 6] = [
+const SQLSTATE_HINTS: [(&str, &str); 8] = [
     (
         "42P01",
         "the schema has no timeoutd tables yet: run `timeoutd migrate` (or `timeoutd run` \
@@ -32,6 +32,18 @@ const SQLSTATE_HINTS: [(&str, &str); 6] = [
     (
         "3D000",
         "the database named in postgres.url does not exist: check its path (/<database>)",
+    ),
+    (
+        "26000",
+        "the server does not know a prepared statement of this connection: a pooler in \
+         transaction mode between? PgBouncer needs max_prepared_statements > 0 (1.21 or \
+         later); see docs/operating/pgbouncer.md",
+    ),
+    (
+        "42P05",
+        "a prepared statement of this connection exists already on the server: a pooler \
+         in transaction mode between? PgBouncer needs max_prepared_statements > 0 (1.21 \
+         or later); see docs/operating/pgbouncer.md",
     ),
     (
         "42501",

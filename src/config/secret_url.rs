@@ -21,8 +21,11 @@ impl SecretUrl {
         self.0.expose_secret()
     }
 
-    /// The URL with every password replaced by `***`.
+    /// The URL with every password replaced by `***` ("" stays "": not set).
     pub fn redacted(&self) -> String {
+        if self.expose().trim().is_empty() {
+            return String::new();
+        }
         redact_url(self.expose())
     }
 }

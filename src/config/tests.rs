@@ -514,3 +514,23 @@ fn allowed_exchanges_come_as_a_list_or_a_comma_separated_string() {
     assert!(r.check("amq.topic").is_err());
     assert_eq!(r.check("anything"), Ok(()));
 }
+
+/// `postgres.session_url`: unset by default (the pool's own address), checked like
+/// `postgres.url` when set, and redacted in what check-config prints.
+#[test]
+fn session_url_is_optional_checked_and_redacted() {
+    let s = load(&[]).expect("defaults");
+    assert!(s.postgres.session_url().is_none());
+    let s = load(&[(
+        "TIMEOUTD__POSTGRES__SESSION_URL",
+        "postgres://timeoutd:hunter2@db1:5432,db2:5432/app?target_session_attrs=primary",
+    )])
+    .expect("valid");
+    assert!(s.postgres.session_url().is_some());
+    let printed = toml::to_string(&s).expect("toml");
+    assert!(!printed.contains("hunter2"), "{printed}");
+    assert!(printed.contains("db1:5432,db2:5432"), "{printed}");
+    let err =
+        load(&[("TIMEOUTD__POSTGRES__SESSION_URL", "db.internal:5432")]).expect_err("not a URL");
+    assert!(err.to_string().contains("postgres.session_url"), "{err}");
+}

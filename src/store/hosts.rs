@@ -34,6 +34,9 @@ pub(super) struct Hosts {
     /// The pool's host failed: look again before the next use.
     stale: AtomicBool,
     looking: tokio::sync::Mutex<()>,
+    /// Counts the pool's moves to another host, for what holds a connection of its own
+    /// outside the pool's checks (the LISTEN session).
+    moves: tokio::sync::watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for Hosts {
@@ -46,13 +49,14 @@ impl std::fmt::Debug for Hosts {
 }
 
 impl Hosts {
-    /// The options of every host of `settings.url`, each completed by `complete`.
+    /// The options of every host of `url`, each completed by `complete`.
     /// `None` when there is one host and any server will do: nothing to choose.
     pub(super) fn new(
+        url: &config::SecretUrl,
         settings: &config::Postgres,
         complete: impl Fn(PgConnectOptions) -> PgConnectOptions,
     ) -> Result<(PgConnectOptions, Option<Arc<Self>>), StoreError> {
-        let parsed = config::pg_hosts(settings.url.expose())
+        let parsed = config::pg_hosts(url.expose())
             .map_err(|e| StoreError::Url(sqlx::Error::Configuration(e.into())))?;
         let options = parsed
             .urls
@@ -78,23 +82,20 @@ impl Hosts {
             applied: AtomicUsize::new(usize::MAX),
             found: AtomicUsize::new(0),
             looking: tokio::sync::Mutex::new(()),
+            moves: tokio::sync::watch::Sender::new(0),
         };
         Ok((first, Some(Arc::new(hosts))))
     }
 
-    /// Check every new connection, and every pooled one before it is handed out (in
-    /// place of sqlx's liveness ping: the same one round trip), against the target.
+    /// Check every pooled connection before it is handed out (in place of sqlx's
+    /// liveness ping: the same one round trip) against the target; every new one is
+    /// checked by [`Hosts::on_connect`], which the store's own connect hook calls.
     pub(super) fn hooks(self: &Arc<Self>, pool: PgPoolOptions) -> PgPoolOptions {
         if self.target == TargetSession::Any {
             return pool;
         }
-        let on_connect = self.clone();
         let on_acquire = self.clone();
         pool.test_before_acquire(false)
-            .after_connect(move |conn, _| {
-                let hosts = on_connect.clone();
-                Box::pin(async move { hosts.on_connect(conn).await })
-            })
             .before_acquire(move |conn, _| {
                 let hosts = on_acquire.clone();
                 Box::pin(async move {
@@ -113,7 +114,7 @@ impl Hosts {
 
     /// A new connection to the pool's host that does not fit is swapped for one to the
     /// first host that does, which the pool then uses.
-    async fn on_connect(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    pub(super) async fn on_connect(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
         if self.fits(conn).await? {
             return Ok(());
         }
@@ -149,11 +150,20 @@ impl Hosts {
             }
         }
         let found = self.found.load(Ordering::Relaxed);
-        if self.applied.swap(found, Ordering::Relaxed) != found {
+        let before = self.applied.swap(found, Ordering::Relaxed);
+        if before != found {
             tracing::info!(host = %self.labels[found], "Postgres: using this host from now on");
             pool.set_connect_options(self.options[found].clone());
+            if before != usize::MAX {
+                self.moves.send_modify(|n| *n += 1);
+            }
         }
         Ok(())
+    }
+
+    /// Changes each time the pool moves to another host.
+    pub(super) fn moves(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.moves.subscribe()
     }
 
     /// The pool's host failed us: the next use looks again.

@@ -129,6 +129,27 @@ async fn empty(pool: &PgPool, schema: &str) {
     .await;
 }
 
+/// Whether `node` said it uses the Postgres host `host` ("host:port") from now on.
+fn uses_host(node: &Proc, host: &str) -> bool {
+    node.log
+        .lock()
+        .expect("lock")
+        .iter()
+        .any(|l| l.contains("using this host") && l.contains(host))
+}
+
+/// How many LISTEN sessions `node` holds on the server of `pool`.
+async fn listening_on(pool: &PgPool, node: &Proc) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE application_name = $1 AND query LIKE 'LISTEN %'",
+    )
+    .bind(format!("timeoutd-{}", node.node_id))
+    .fetch_one(pool)
+    .await
+    .expect("pg_stat_activity")
+}
+
 /// The log line of `node` that says it (re)connected to RabbitMQ through `addr`.
 fn connected_through(node: &Proc, addr: SocketAddr) -> bool {
     let port = format!("127.0.0.1:{}", addr.port());
@@ -215,11 +236,7 @@ async fn a_multi_host_postgres_url_skips_a_dead_host_and_moves_on_when_its_host_
     let node = Proc::spawn(&world).await;
     let proxied = format!("127.0.0.1:{}", proxy.addr.port());
     wait_for(PATIENCE, "the proxied host in use", || {
-        node.log
-            .lock()
-            .expect("lock")
-            .iter()
-            .any(|l| l.contains("using this host") && l.contains(&proxied))
+        uses_host(&node, &proxied)
     })
     .await;
     let mut rows = Rows::default();
@@ -238,11 +255,7 @@ async fn a_multi_host_postgres_url_skips_a_dead_host_and_moves_on_when_its_host_
     proxy.cut();
     let direct = pg_addr();
     wait_for(PATIENCE, "the last host in use", || {
-        node.log
-            .lock()
-            .expect("lock")
-            .iter()
-            .any(|l| l.contains("using this host") && l.contains(&direct))
+        uses_host(&node, &direct)
     })
     .await;
     rows.all_fired_across(&inbox, fault).await;
@@ -383,15 +396,12 @@ async fn read_write_follows_the_writable_server() {
     .await;
     then.all_fired_once(&inbox).await;
     empty(&world.pool, &world.schema).await;
-    let direct = pg_addr();
-    assert!(
-        node.log
-            .lock()
-            .expect("lock")
-            .iter()
-            .any(|l| l.contains("using this host") && l.contains(&direct)),
-        "moved to the main server"
-    );
+    assert!(uses_host(&node, &pg_addr()), "moved to the main server");
+    // Its LISTEN session too: left on the read-only server, it would hear nothing.
+    wait_for_async(PATIENCE, "LISTEN on the main server", || async {
+        listening_on(&world.pool, &node).await == 1 && listening_on(&second, &node).await == 0
+    })
+    .await;
     read_only(&second, false).await;
     let drop_schema = format!(
         "BEGIN READ WRITE; DROP SCHEMA IF EXISTS {} CASCADE; COMMIT",
@@ -564,14 +574,7 @@ async fn primary_follows_a_promotion() {
     )
     .await;
     wait_for(PATIENCE, "TimeOuts flowing", || inbox.len() >= 40).await;
-    assert!(
-        node.log
-            .lock()
-            .expect("lock")
-            .iter()
-            .any(|l| l.contains("using this host") && l.contains(&primary)),
-        "started on the primary"
-    );
+    assert!(uses_host(&node, &primary), "started on the primary");
     p.close().await;
     assert!(run(
         "pg_ctlcluster",
@@ -579,11 +582,7 @@ async fn primary_follows_a_promotion() {
     ));
     assert!(run("pg_ctlcluster", &["15", PAIR_STANDBY.0, "promote"]));
     wait_for(PATIENCE, "moved to the promoted standby", || {
-        node.log
-            .lock()
-            .expect("lock")
-            .iter()
-            .any(|l| l.contains("using this host") && l.contains(&standby))
+        uses_host(&node, &standby)
     })
     .await;
     let duplicates = rows.all_fired(&inbox).await;

@@ -362,3 +362,94 @@ async fn through_pgbouncer_in_session_mode() {
     drop(bouncer);
     world.cleanup().await;
 }
+
+/// A database of the test services' PgBouncer in transaction mode
+/// (`TIMEOUTD_TEST_PGBOUNCER_URL`, by default theirs: tests/services.yml), in front of the
+/// Postgres of `TIMEOUTD_TEST_PG_URL`. `None` when the variable is set empty (CI's main
+/// stage: the machine's own services have no such pooler).
+fn pooler(database: &str) -> Option<String> {
+    let base = std::env::var("TIMEOUTD_TEST_PGBOUNCER_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:24433".to_owned());
+    (!base.trim().is_empty()).then(|| format!("{}/{database}", base.trim_end_matches('/')))
+}
+
+/// Through PgBouncer in transaction mode with `postgres.session_url` naming the server
+/// itself (docs/operating/pgbouncer.md): a pooler database whose server does not bound
+/// the sessions is refused with what to set; through one that does, a group of two fires
+/// every row once, none early, from the active node, whose `LISTEN` session is the
+/// direct one (through the pooler it would hear nothing reliably).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_pgbouncer_in_transaction_mode() {
+    let (Some(pooled), Some(unbounded)) = (pooler("pooled"), pooler("unbounded")) else {
+        eprintln!("SKIPPED: TIMEOUTD_TEST_PGBOUNCER_URL is empty (no transaction pooler)");
+        return;
+    };
+    let world = World::new().await;
+    // The migrations' advisory lock needs a session: through session_url, the server.
+    world.migrate().await;
+    let direct = crate::common::pg_url();
+    let through = |url: &str| {
+        [
+            ("TIMEOUTD__POSTGRES__URL".to_owned(), url.to_owned()),
+            ("TIMEOUTD__POSTGRES__SESSION_URL".to_owned(), direct.clone()),
+        ]
+    };
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"))
+        .arg("pending")
+        .envs(world.env())
+        .envs(through(&unbounded))
+        .output()
+        .expect("timeoutd pending");
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{said}");
+    assert!(
+        said.contains("statement_timeout and idle_in_transaction_session_timeout are 0"),
+        "{said}"
+    );
+
+    let extra = through(&pooled);
+    let observer = Observer::new(&world.group).await;
+    let inbox = Inbox::new().await;
+    let since = Instant::now();
+    let procs = vec![
+        Proc::spawn_with(&world, &extra).await,
+        Proc::spawn_with(&world, &extra).await,
+    ];
+    let i = active_index(&observer, &procs, since).await;
+    let mut due = Vec::new();
+    for n in 0..200 {
+        let e = Expectation::new(&format!("pooled-{n}"), "Reply", &inbox.queue)
+            .due_in(Duration::from_millis(500 + 10 * n));
+        due.push(world.expect(&e).await);
+    }
+    wait_for(PATIENCE, "every row fired", || {
+        inbox.counts().len() >= due.len()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let counts = inbox.counts();
+    for id in &due {
+        assert_eq!(counts.get(&id.to_string()), Some(&1), "{id} once");
+    }
+    for r in inbox.all() {
+        let deadline: DateTime<Utc> = r.body["timeout_at"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .expect("timeout_at");
+        assert!(r.fired_at() >= deadline, "early: {}", r.body);
+        assert_eq!(r.sender(), Some(procs[i].node_id.to_string()));
+    }
+    // The LISTEN session comes from where this test's own direct connection comes
+    // from, not from the pooler.
+    let listening: Vec<(bool,)> = sqlx::query_as(
+        "SELECT client_addr IS NOT DISTINCT FROM inet_client_addr() FROM pg_stat_activity \
+         WHERE application_name = $1 AND query LIKE 'LISTEN %'",
+    )
+    .bind(format!("timeoutd-{}", procs[i].node_id))
+    .fetch_all(&world.pool)
+    .await
+    .expect("pg_stat_activity");
+    assert_eq!(listening, vec![(true,)], "one direct LISTEN session");
+    drop(procs);
+    world.cleanup().await;
+}

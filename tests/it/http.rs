@@ -404,6 +404,16 @@ async fn a_scrape_flood_neither_delays_timeouts_nor_turns_readiness_red() {
         get(addr, "/readyz").await.0 == 200
     })
     .await;
+    // While passive the node counts on the one connection its checks use (it fires
+    // nothing then); once active, on a connection of its own: watched from then on.
+    wait_for_async(PATIENCE, "active", || async {
+        get(addr, "/status").await.1.contains("\"role\":\"active\"")
+    })
+    .await;
+    wait_for_async(PATIENCE, "counting on the observer connection", || async {
+        sessions_named(&world.pool, &format!("timeoutd-{}-observe", node.node_id)).await > 0
+    })
+    .await;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let flood = flood(addr, SCRAPERS, stopped.clone());
     let readiness = tokio::spawn(probe_readiness(addr, stopped.clone()));
@@ -592,8 +602,8 @@ async fn watch_sessions(
             _ = stopped.changed() => break,
             _ = tokio::time::sleep(Duration::from_millis(20)) => {}
         }
-        let rows: Vec<(String, i32, String)> = sqlx::query_as(
-            "SELECT application_name, pid, query FROM pg_stat_activity \
+        let rows: Vec<(String, i32, String, Option<String>)> = sqlx::query_as(
+            "SELECT application_name, pid, query, state FROM pg_stat_activity \
              WHERE application_name IN ($1, $2)",
         )
         .bind(&firing)
@@ -603,11 +613,16 @@ async fn watch_sessions(
         .expect("pg_stat_activity");
         seen.samples += 1;
         let mut at_once = 0;
-        for (name, pid, query) in rows {
+        for (name, pid, query, state) in rows {
+            // An idle session shows the last statement it ran, maybe a count made while
+            // the node was passive: only statements running now are judged.
+            let running = state.as_deref() != Some("idle");
             if name == observer {
                 at_once += 1;
                 pids.insert(pid);
-            } else if query.contains("count(*) AS pending") || query.trim() == "SELECT 1" {
+            } else if running
+                && (query.contains("count(*) AS pending") || query.trim() == "SELECT 1")
+            {
                 seen.observing_on_firing_pool.push(query);
             }
         }
@@ -615,6 +630,15 @@ async fn watch_sessions(
     }
     seen.observer_pids = pids.len();
     seen
+}
+
+/// Sessions open with this `application_name`.
+async fn sessions_named(pool: &sqlx::PgPool, name: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .expect("pg_stat_activity")
 }
 
 /// This machine's address on its way out (not loopback): connections from it count as a
