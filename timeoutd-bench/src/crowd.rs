@@ -314,14 +314,15 @@ async fn receive(mut consumer: Consumer, got: Arc<Got>) {
             .as_ref()
             .and_then(|s| s.as_str().parse().ok())
             .unwrap_or(Uuid::nil());
-        let node = p.headers().as_ref().and_then(|h| {
-            match h.inner().get(NODE_HEADER) {
+        let node = p
+            .headers()
+            .as_ref()
+            .and_then(|h| match h.inner().get(NODE_HEADER) {
                 Some(lapin::types::AMQPValue::LongString(s)) => {
                     std::str::from_utf8(s.as_bytes()).ok()?.parse().ok()
                 }
                 _ => None,
-            }
-        });
+            });
         if let Ok(mut rows) = got.rows.lock() {
             rows.push(Received { id, at, node });
         }
@@ -382,16 +383,13 @@ async fn wait_agreed(
                 m.daemon.check_alive()?;
             }
         }
-        let asked = members
-            .iter()
-            .enumerate()
-            .map(|(i, m)| async move {
-                if Some(i) == skip {
-                    None
-                } else {
-                    status(m.daemon.http).await
-                }
-            });
+        let asked = members.iter().enumerate().map(|(i, m)| async move {
+            if Some(i) == skip {
+                None
+            } else {
+                status(m.daemon.http).await
+            }
+        });
         let answers = join_all(asked).await;
         let at = t0.elapsed().as_secs_f64();
         for (m, a) in members.iter_mut().zip(&answers) {
@@ -545,7 +543,8 @@ fn connections(
         .iter()
         .flat_map(|n| [format!("timeoutd-{n}"), format!("timeoutd-{n}-observe")])
         .collect();
-    let (mut passive_quiet, mut active_quiet, mut total_quiet) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut passive_quiet, mut active_quiet, mut total_quiet) =
+        (Vec::new(), Vec::new(), Vec::new());
     let passive_count = nodes.iter().filter(|n| !active.contains(*n)).count().max(1);
     for s in samples {
         let in_quiet = s.at >= quiet.0 && s.at <= quiet.1;
@@ -669,7 +668,12 @@ async fn listen_announcements(
         ..BasicConsumeOptions::default()
     };
     let mut consumer = ch
-        .basic_consume(q.name().clone(), "crowd".into(), options, FieldTable::default())
+        .basic_consume(
+            q.name().clone(),
+            "crowd".into(),
+            options,
+            FieldTable::default(),
+        )
         .await?;
     Ok(tokio::spawn(async move {
         let _keep = ch;
@@ -695,7 +699,10 @@ struct Watch {
 impl Watch {
     fn start(members: &[Member]) -> Result<Self> {
         Ok(Self {
-            ticks: members.iter().map(|m| ticks(m.daemon.pid)).collect::<Result<_>>()?,
+            ticks: members
+                .iter()
+                .map(|m| ticks(m.daemon.pid))
+                .collect::<Result<_>>()?,
             meter: CpuMeter::start(),
             started: Instant::now(),
         })
@@ -805,7 +812,9 @@ async fn stop_one(mut d: Daemon) -> (f64, Option<String>) {
     let ms = started.elapsed().as_secs_f64() * 1e3;
     let code = match status {
         Ok(Ok(s)) if s.success() => return (ms, None),
-        Ok(Ok(s)) => s.code().map_or("a signal".to_owned(), |c| format!("exit {c}")),
+        Ok(Ok(s)) => s
+            .code()
+            .map_or("a signal".to_owned(), |c| format!("exit {c}")),
         Ok(Err(e)) => format!("wait failed: {e}"),
         Err(_) => {
             let _ = d.child.start_kill();
@@ -819,7 +828,11 @@ async fn stop_one(mut d: Daemon) -> (f64, Option<String>) {
         .tail()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|v| v.get("abandoned").and_then(|a| a.as_str()).map(str::to_owned));
+        .find_map(|v| {
+            v.get("abandoned")
+                .and_then(|a| a.as_str())
+                .map(str::to_owned)
+        });
     (ms, Some(format!("{code}: {}", gave_up.unwrap_or_default())))
 }
 
@@ -833,7 +846,12 @@ async fn insert_series(
 ) -> Result<Vec<(Uuid, DateTime<Utc>)>> {
     let step = chrono::Duration::from_std(every)?;
     let rows: Vec<(Uuid, DateTime<Utc>)> = (0..n)
-        .map(|i| (Uuid::new_v4(), first + step * i32::try_from(i).unwrap_or(i32::MAX)))
+        .map(|i| {
+            (
+                Uuid::new_v4(),
+                first + step * i32::try_from(i).unwrap_or(i32::MAX),
+            )
+        })
         .collect();
     let mut conn = env.pool.acquire().await?;
     insert_each_due(&mut *conn, &site.table(), &site.queue, &rows).await?;
@@ -920,7 +938,10 @@ async fn big_group(env: &Env, sites: &[Site], plan: CrowdPlan) -> Result<BigGrou
         bail!("one group, one answer");
     };
     let elected = t0 + Duration::from_secs_f64(elect_s);
-    println!("   all {} agree on {first} after {elect_s:.2} s", plan.nodes);
+    println!(
+        "   all {} agree on {first} after {elect_s:.2} s",
+        plan.nodes
+    );
     // Every node answered by now; the killed one is gone from `members` after the takeover.
     let nodes: Vec<Uuid> = members.iter().filter_map(|m| m.node_id).collect();
     tokio::time::sleep(SETTLE).await;
@@ -1059,7 +1080,11 @@ async fn many_groups(env: &Env, sites: &[Site], plan: CrowdPlan) -> Result<ManyG
     let t0 = Instant::now();
     let mut members = spawn_all(env, sites, &layout)?;
     let spawn_s = t0.elapsed().as_secs_f64();
-    println!("   {} daemons in {} groups spawned in {spawn_s:.2} s", layout.len(), plan.groups);
+    println!(
+        "   {} daemons in {} groups spawned in {spawn_s:.2} s",
+        layout.len(),
+        plan.groups
+    );
     let mut seen_active = HashSet::new();
     let agreed = wait_agreed(&mut members, plan.groups, None, t0, &mut seen_active).await?;
     let elect_s: Vec<f64> = agreed.iter().map(|a| a.0).collect();
@@ -1274,7 +1299,10 @@ fn connection_lines(name: &dyn Fn(&str) -> String, c: &Connections) -> Vec<Line>
         line(
             &name("Postgres sessions per passive node (max over the run)"),
             match &c.passive_over_one {
-                None => format!("{} (mean {:.2} in the quiet window)", c.passive_max, c.passive_mean_quiet),
+                None => format!(
+                    "{} (mean {:.2} in the quiet window)",
+                    c.passive_max, c.passive_mean_quiet
+                ),
                 Some(first) => format!(
                     "{} (mean {:.2} in the quiet window); more than 1 in {} node-samples, \
                      first: {first}; last {:.1} s after the first spawn",
@@ -1352,7 +1380,12 @@ pub(crate) fn crowd_measurements(c: &Crowd) -> Vec<Measurement> {
             b.announcements.per_interval,
             Some(Want::AtMost(10.0)),
         ),
-        (name("announcing nodes"), "", b.announcements.senders as f64, None),
+        (
+            name("announcing nodes"),
+            "",
+            b.announcements.senders as f64,
+            None,
+        ),
         (
             name("announcements until agreed"),
             "",
@@ -1371,7 +1404,12 @@ pub(crate) fn crowd_measurements(c: &Crowd) -> Vec<Measurement> {
             t.first_from_successor_s,
             None,
         ),
-        (name("kill -9: longest gap in TimeOuts"), "s", t.longest_gap_s, None),
+        (
+            name("kill -9: longest gap in TimeOuts"),
+            "s",
+            t.longest_gap_s,
+            None,
+        ),
         (
             name("kill -9: successor's sessions, max"),
             "",
@@ -1380,7 +1418,12 @@ pub(crate) fn crowd_measurements(c: &Crowd) -> Vec<Measurement> {
         ),
         (name("kill -9: TimeOuts lost"), "", t.lost as f64, zero),
         (name("kill -9: TimeOuts early"), "", t.early as f64, zero),
-        (name("kill -9: TimeOuts duplicated"), "", t.duplicates as f64, None),
+        (
+            name("kill -9: TimeOuts duplicated"),
+            "",
+            t.duplicates as f64,
+            None,
+        ),
     ]);
     m.extend(stop_measurements(&name, &b.stop));
     if let Some(g) = &c.groups {
@@ -1388,8 +1431,18 @@ pub(crate) fn crowd_measurements(c: &Crowd) -> Vec<Measurement> {
         let mut sorted = g.elect_s.clone();
         sorted.sort_by(f64::total_cmp);
         m.extend([
-            (name("time to elect, median group"), "s", percentile(&sorted, 50.0), None),
-            (name("time to elect, slowest group"), "s", max(&sorted), None),
+            (
+                name("time to elect, median group"),
+                "s",
+                percentile(&sorted, 50.0),
+                None,
+            ),
+            (
+                name("time to elect, slowest group"),
+                "s",
+                max(&sorted),
+                None,
+            ),
             (
                 name("announcements per interval, all groups"),
                 "",
@@ -1437,23 +1490,73 @@ fn connection_measurements(name: &dyn Fn(&str) -> String, c: &Connections) -> Ve
             c.passive_mean_quiet,
             None,
         ),
-        (name("sessions per active node, quiet"), "", c.active_quiet, None),
-        (name("sessions per active node, max"), "", c.active_max as f64, None),
-        (name("sessions of all nodes, quiet"), "", c.total_quiet, None),
-        (name("sessions of all nodes, max"), "", c.total_max as f64, None),
+        (
+            name("sessions per active node, quiet"),
+            "",
+            c.active_quiet,
+            None,
+        ),
+        (
+            name("sessions per active node, max"),
+            "",
+            c.active_max as f64,
+            None,
+        ),
+        (
+            name("sessions of all nodes, quiet"),
+            "",
+            c.total_quiet,
+            None,
+        ),
+        (
+            name("sessions of all nodes, max"),
+            "",
+            c.total_max as f64,
+            None,
+        ),
     ]
 }
 
 fn cost_measurements(name: &dyn Fn(&str) -> String, c: &RoleCost) -> Vec<Measurement> {
     vec![
-        (name("CPU per passive node (median)"), "%", c.passive_cpu_median, None),
-        (name("CPU per passive node (max)"), "%", c.passive_cpu_max, None),
-        (name("CPU of the active node"), "%", c.active_cpu_median, None),
+        (
+            name("CPU per passive node (median)"),
+            "%",
+            c.passive_cpu_median,
+            None,
+        ),
+        (
+            name("CPU per passive node (max)"),
+            "%",
+            c.passive_cpu_max,
+            None,
+        ),
+        (
+            name("CPU of the active node"),
+            "%",
+            c.active_cpu_median,
+            None,
+        ),
         (name("CPU of all daemons"), "%", c.all_daemons_cpu, None),
         (name("CPU of the broker"), "%", c.broker_cpu, None),
         (name("CPU of Postgres"), "%", c.postgres_cpu, None),
-        (name("RSS per passive node (median)"), "MiB", c.passive_rss_median_mib, None),
-        (name("RSS of the active node"), "MiB", c.active_rss_median_mib, None),
-        (name("RSS of all daemons"), "MiB", c.all_daemons_rss_mib, None),
+        (
+            name("RSS per passive node (median)"),
+            "MiB",
+            c.passive_rss_median_mib,
+            None,
+        ),
+        (
+            name("RSS of the active node"),
+            "MiB",
+            c.active_rss_median_mib,
+            None,
+        ),
+        (
+            name("RSS of all daemons"),
+            "MiB",
+            c.all_daemons_rss_mib,
+            None,
+        ),
     ]
 }
