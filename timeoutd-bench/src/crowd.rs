@@ -756,17 +756,41 @@ fn ticks(pid: u32) -> Result<u64> {
 
 /// Spawn one daemon per site index in `layout`, as fast as they go.
 fn spawn_all(env: &Env, sites: &[Site], layout: &[usize]) -> Result<Vec<Member>> {
+    let mut ports = Ports::new();
     layout
         .iter()
         .map(|&site| {
             let s = &sites[site];
             Ok(Member {
-                daemon: Daemon::spawn_in(env, &s.schema, &s.group)?,
+                daemon: Daemon::spawn_in(env, &s.schema, &s.group, ports.next()?)?,
                 site,
                 node_id: None,
             })
         })
         .collect()
+}
+
+/// HTTP ports for the crowd, below Linux's ephemeral range (32768 and up): with a hundred
+/// daemons opening connections, a port found free by binding port 0 was taken as a
+/// connection's local port before its daemon could bind it.
+struct Ports(u16);
+
+impl Ports {
+    /// Where this run starts looking: apart from another run's, most likely.
+    fn new() -> Self {
+        Self(17_000 + (Uuid::new_v4().as_u128() % 4_000) as u16)
+    }
+
+    fn next(&mut self) -> Result<SocketAddr> {
+        while self.0 < 32_000 {
+            let port = self.0;
+            self.0 += 1;
+            if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+                return Ok(l.local_addr()?);
+            }
+        }
+        bail!("no free port for a daemon below 32000")
+    }
 }
 
 /// How a mass stop went: SIGTERM to every member at once.
