@@ -22,8 +22,10 @@
 //!   must receive its own rows only, each once, none early, each fired by a member of
 //!   that group.
 //!
-//! A node counts as passive if it was never active during the run (the first active node
-//! and, in the big group, its successor are the active ones).
+//! A node counts as passive if no `/status` it gave said it was active (the elected
+//! nodes, the big group's successor and any node seen active while the group was still
+//! agreeing are the active ones). The passive nodes' bound (one session) is judged from
+//! the moment every node agreed; their start-up is reported apart.
 
 use futures_util::future::join_all;
 use lapin::options::{ExchangeDeleteOptions, QueueBindOptions};
@@ -456,7 +458,7 @@ async fn census(members: &[Member], skip: Option<usize>) -> String {
         *counts.entry(s).or_default() += 1;
     }
     let mut counts: Vec<(String, usize)> = counts.into_iter().collect();
-    counts.sort_by(|a, b| b.1.cmp(&a.1));
+    counts.sort_by_key(|c| std::cmp::Reverse(c.1));
     let parts: Vec<String> = counts.iter().map(|(s, n)| format!("{n}× {s}")).collect();
     parts.join("; ")
 }
@@ -817,7 +819,7 @@ async fn stop_all(members: Vec<Member>) -> MassStop {
         }
     }
     let mut reasons: Vec<(String, usize)> = reasons.into_iter().collect();
-    reasons.sort_by(|a, b| b.1.cmp(&a.1));
+    reasons.sort_by_key(|r| std::cmp::Reverse(r.1));
     MassStop {
         daemons: outcomes.len(),
         max_ms: max(&took),
@@ -883,7 +885,7 @@ async fn insert_series(
         })
         .collect();
     let mut conn = env.pool.acquire().await?;
-    insert_each_due(&mut *conn, &site.table(), &site.queue, &rows).await?;
+    insert_each_due(&mut conn, &site.table(), &site.queue, &rows).await?;
     Ok(rows)
 }
 
