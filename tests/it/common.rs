@@ -210,11 +210,33 @@ impl World {
         world
     }
 
-    /// The environment a daemon of this world runs with.
+    /// The environment a daemon of this world runs with. With
+    /// `TIMEOUTD_TEST_THROUGH_POOLER` set (a transaction pooler's database in front of
+    /// the test Postgres, docs/testing.md) the daemons' pool goes through it and their
+    /// sessions (`postgres.session_url`) straight to the server; the test itself always
+    /// uses the server.
     pub fn env(&self) -> Vec<(String, String)> {
+        self.env_with(&[])
+    }
+
+    /// Whether the daemons' pool goes through a transaction pooler
+    /// (`TIMEOUTD_TEST_THROUGH_POOLER`): then the server's sessions are the pooler's,
+    /// shared by every client, and cannot be counted per node.
+    pub fn through_pooler() -> bool {
+        std::env::var("TIMEOUTD_TEST_THROUGH_POOLER").is_ok_and(|u| !u.trim().is_empty())
+    }
+
+    /// [`World::env`] with `extra` on top. A daemon given a Postgres of its own (a
+    /// proxy, another cluster) connects there alone, never through the pooler.
+    pub fn env_with(&self, extra: &[(String, String)]) -> Vec<(String, String)> {
+        const URL: &str = "TIMEOUTD__POSTGRES__URL";
+        const SESSION: &str = "TIMEOUTD__POSTGRES__SESSION_URL";
+        let pooler = std::env::var("TIMEOUTD_TEST_THROUGH_POOLER")
+            .ok()
+            .filter(|u| !u.trim().is_empty());
         let mut env = vec![
             ("TIMEOUTD__AMQP__URL".to_owned(), amqp_url()),
-            ("TIMEOUTD__POSTGRES__URL".to_owned(), pg_url()),
+            (URL.to_owned(), pooler.clone().unwrap_or_else(pg_url)),
             ("TIMEOUTD__POSTGRES__SCHEMA".to_owned(), self.schema.clone()),
             ("TIMEOUTD__ELECTION__GROUP".to_owned(), self.group.clone()),
             (
@@ -222,7 +244,15 @@ impl World {
                 "127.0.0.1:0".to_owned(),
             ),
         ];
-        env.extend(self.overrides.iter().cloned());
+        if pooler.is_some() {
+            env.push((SESSION.to_owned(), pg_url()));
+        }
+        let on_top: Vec<_> = self.overrides.iter().chain(extra).cloned().collect();
+        let own = on_top.iter().any(|(k, _)| k == URL) && !on_top.iter().any(|(k, _)| k == SESSION);
+        env.extend(on_top);
+        if own {
+            env.retain(|(k, _)| k != SESSION);
+        }
         env
     }
 
@@ -276,24 +306,65 @@ impl World {
     }
 
     pub async fn cleanup(self) {
-        // The ingress queue and exchange are durable: remove them (best effort).
-        let conn = amqp().await;
-        if let Ok(ch) = conn.create_channel().await {
-            let name = self.ingress();
-            let _ = ch
-                .queue_delete(name.as_str().into(), Default::default())
-                .await;
-            let _ = ch
-                .exchange_delete(name.as_str().into(), Default::default())
-                .await;
+        // The ingress queue and exchange are durable: remove them (best effort, bounded:
+        // the verdict is in, a teardown must not hang the run).
+        let broker = async {
+            let conn = amqp().await;
+            if let Ok(ch) = conn.create_channel().await {
+                let name = self.ingress();
+                let _ = ch
+                    .queue_delete(name.as_str().into(), Default::default())
+                    .await;
+                let _ = ch
+                    .exchange_delete(name.as_str().into(), Default::default())
+                    .await;
+            }
+            let _ = conn.close(200, "OK".into()).await;
+        };
+        if tokio::time::timeout(PATIENCE, broker).await.is_err() {
+            eprintln!("cleanup: the broker did not answer within {PATIENCE:?}; left as is");
         }
-        let _ = conn.close(200, "OK".into()).await;
-        let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema);
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .execute(&self.pool)
-            .await
-            .expect("drop schema");
+        self.drop_schema().await;
         self.pool.close().await;
+    }
+
+    /// DROP SCHEMA, which waits for every lock on its tables: sessions still holding
+    /// one after the test (a daemon that did not let go) are named, then ended.
+    async fn drop_schema(&self) {
+        let drop = format!(
+            "SET lock_timeout = '10s'; DROP SCHEMA IF EXISTS {} CASCADE; RESET lock_timeout",
+            self.schema
+        );
+        for _ in 0..3 {
+            let Err(e) = sqlx::raw_sql(sqlx::AssertSqlSafe(drop.clone()))
+                .execute(&self.pool)
+                .await
+            else {
+                return;
+            };
+            let holders: Vec<(i32, Option<String>, Option<String>, String)> = sqlx::query_as(
+                "SELECT DISTINCT a.pid, a.application_name, a.state, a.query \
+                 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+                 JOIN pg_namespace n ON n.oid = c.relnamespace \
+                 JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE n.nspname = $1 AND l.pid <> pg_backend_pid()",
+            )
+            .bind(&self.schema)
+            .fetch_all(&self.pool)
+            .await
+            .unwrap_or_default();
+            eprintln!(
+                "cleanup: DROP SCHEMA {}: {e}; in its way: {holders:?}",
+                self.schema
+            );
+            for (pid, ..) in holders {
+                let _ = sqlx::query("SELECT pg_terminate_backend($1)")
+                    .bind(pid)
+                    .execute(&self.pool)
+                    .await;
+            }
+        }
+        panic!("cleanup: could not drop schema {}", self.schema);
     }
 }
 
@@ -541,6 +612,22 @@ pub const PATIENCE: Duration = Duration::from_secs(60);
 /// takes the cores. Small beside what a broken promise costs (a `member_ttl`, a sweep).
 pub const STAMP_SLACK: Duration = Duration::from_secs(1);
 
+/// Wait until the lowest of `procs` claims the role (announced since `since`); its
+/// index.
+pub async fn lowest_active(observer: &Observer, procs: &[Proc], since: Instant) -> usize {
+    let lowest = procs.iter().map(|p| p.node_id).min().expect("procs");
+    wait_for(PATIENCE, "lowest node active", || {
+        observer
+            .first_after(since, |a| a.active && a.node_id == lowest)
+            .is_some()
+    })
+    .await;
+    procs
+        .iter()
+        .position(|p| p.node_id == lowest)
+        .expect("lowest")
+}
+
 /// Wait until `node` holds the active role.
 pub async fn wait_active(node: &Handle) {
     wait_for(PATIENCE, "node active", || {
@@ -612,8 +699,7 @@ impl Proc {
     pub async fn spawn_with(world: &World, extra: &[(String, String)]) -> Self {
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_timeoutd"));
         cmd.arg("run")
-            .envs(world.env())
-            .envs(extra.iter().cloned())
+            .envs(world.env_with(extra))
             .env("TIMEOUTD__LOG__FORMAT", "json")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())

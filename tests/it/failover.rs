@@ -2,24 +2,9 @@ use std::time::{Duration, Instant};
 
 use timeoutd::client::Expectation;
 
-use crate::common::{Inbox, Observer, PATIENCE, Proc, STAMP_SLACK, World, exit_within, wait_for};
-
-/// Wait until the lowest node claims the role; returns its index.
-async fn active_index(observer: &Observer, procs: &[Proc]) -> usize {
-    let lowest = procs.iter().map(|p| p.node_id).min().expect("procs");
-    wait_for(PATIENCE, "lowest node active", || {
-        observer
-            .first_after(Instant::now() - Duration::from_secs(60), |a| {
-                a.active && a.node_id == lowest
-            })
-            .is_some()
-    })
-    .await;
-    procs
-        .iter()
-        .position(|p| p.node_id == lowest)
-        .expect("lowest")
-}
+use crate::common::{
+    Inbox, Observer, PATIENCE, Proc, STAMP_SLACK, World, exit_within, lowest_active, wait_for,
+};
 
 /// kill -9 of the active daemon process: another takes over within member_ttl + tick of
 /// the last announcement it heard from the dead node, and fires what comes due
@@ -31,7 +16,7 @@ async fn killed_active_node_is_replaced_and_later_rows_fire() {
     let observer = Observer::new(&world.group).await;
     let inbox = Inbox::new().await;
     let mut procs = Proc::group(&world, 3).await;
-    let i = active_index(&observer, &procs).await;
+    let i = lowest_active(&observer, &procs, Instant::now() - Duration::from_secs(60)).await;
     let dead = procs.remove(i);
     let killed_at = Instant::now();
     dead.signal("KILL");
@@ -91,7 +76,7 @@ async fn graceful_stop_hands_over_within_a_tick() {
     world.migrate().await;
     let observer = Observer::new(&world.group).await;
     let mut procs = Proc::group(&world, 2).await;
-    let i = active_index(&observer, &procs).await;
+    let i = lowest_active(&observer, &procs, Instant::now() - Duration::from_secs(60)).await;
     let mut leaver = procs.remove(i);
     let asked = Instant::now();
     leaver.signal("TERM");
