@@ -385,12 +385,25 @@ impl Store {
         migrator.set_ignore_missing(true);
         let session = self.session();
         session.ready().await?;
-        session.check_session().await?;
-        migrator
-            .run(&session.pool)
-            .await
-            .map_err(|e| session.seen(e))?;
-        Ok(())
+        // One connection for the check and the migrations, closed (not pooled) when they
+        // fail: the migrator's lock is a session-level advisory lock, and Postgres may
+        // grant it to a `pg_advisory_lock` cancelled by `lock_timeout` at that moment,
+        // reporting the error and keeping the lock. Taken again on that session by the
+        // retry and released once, it would stay held as long as the node lives, and
+        // every other node's migrations would wait for it (measured: 100 daemons started
+        // together, 87 of them stuck for minutes).
+        let mut conn = session.pool.acquire().await.map_err(|e| session.seen(e))?;
+        let migrated = match session.check_session(&mut conn).await {
+            Ok(()) => migrator
+                .run_direct(None, &mut *conn, false)
+                .await
+                .map_err(|e| session.seen(e)),
+            Err(e) => Err(e),
+        };
+        if migrated.is_err() {
+            conn.close_on_drop();
+        }
+        migrated
     }
 
     /// The session settings the connections ask for at startup (see `connect_options`)
@@ -398,9 +411,9 @@ impl Store {
     /// `ignore_startup_parameters = options`): the migrations would then create the
     /// tables in whatever schema the server's `search_path` names, and statements would
     /// run unbounded. Refused instead, before anything is written.
-    async fn check_session(&self) -> Result<(), StoreError> {
+    async fn check_session(&self, conn: &mut sqlx::PgConnection) -> Result<(), StoreError> {
         let search_path: String = sqlx::raw_sql("SELECT current_setting('search_path')")
-            .fetch_one(&self.pool)
+            .fetch_one(conn)
             .await
             .map_err(|e| self.seen(e))?
             .try_get(0)?;

@@ -21,6 +21,7 @@ mod fencing;
 mod firing;
 mod http;
 mod large_rows;
+mod migrations;
 mod on_time;
 mod principals;
 mod proxy;

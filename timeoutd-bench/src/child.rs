@@ -58,10 +58,15 @@ impl Daemon {
 
     /// Spawn `timeoutd run` on a port of its own, without waiting for anything.
     pub(crate) fn spawn(env: &Env) -> Result<Self> {
-        let http = free_local_addr()?;
+        Self::spawn_in(env, &env.schema, &env.group, free_local_addr()?)
+    }
+
+    /// As [`Daemon::spawn`], in another schema and group than the run's own, serving
+    /// HTTP on `http`.
+    pub(crate) fn spawn_in(env: &Env, schema: &str, group: &str, http: SocketAddr) -> Result<Self> {
         let mut cmd = Command::new(&env.daemon_bin);
         cmd.arg("run")
-            .envs(env.daemon_env(http))
+            .envs(env.daemon_env(http, schema, group))
             .env("RUST_LOG", &env.daemon_rust_log)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -70,9 +70,14 @@ impl Env {
         Ok(env)
     }
 
-    /// The daemon's environment: isolated schema and group, `/metrics` on `http`.
-    pub(crate) fn daemon_env(&self, http: SocketAddr) -> Vec<(String, String)> {
-        let mut env = overrides(&self.amqp_url, &self.pg_url, &self.schema, &self.group);
+    /// A daemon's environment: its schema and group, `/metrics` on `http`.
+    pub(crate) fn daemon_env(
+        &self,
+        http: SocketAddr,
+        schema: &str,
+        group: &str,
+    ) -> Vec<(String, String)> {
+        let mut env = overrides(&self.amqp_url, &self.pg_url, schema, group);
         env.push(("TIMEOUTD__HTTP__LISTEN".to_owned(), http.to_string()));
         env
     }

@@ -42,6 +42,13 @@
 //!     that are not due (one schema each, made by the daemon's migrations), median of 200
 //!     runs per table taken round-robin, plus `EXPLAIN (ANALYZE, BUFFERS)`.
 //!
+//! Not part of a whole run: `--only-crowd` (see `crowd`) starts `--crowd-nodes` daemons
+//! (100) in one group, then `--crowd-groups` (20) groups of `--crowd-group-size` (3)
+//! sharing the broker and the database: time to elect, announcements, Postgres sessions
+//! per role, CPU and memory per role, a takeover after `kill -9`, and that no group fires
+//! another's rows. It needs more connections than Postgres allows by default;
+//! `timeoutd-bench/crowd.sh` runs it against a throwaway cluster and vhost.
+//!
 //! What the daemon did in a phase (batches, their durations, TimeOuts fired, lateness at
 //! fire time) comes from its `/metrics`, scraped before and after the phase: counter
 //! deltas, and histogram buckets for bounds (a bucket bound, not a measured maximum).
@@ -54,6 +61,7 @@ mod burst;
 mod catch_up;
 mod child;
 mod cpu;
+mod crowd;
 mod delayed;
 mod env;
 mod flood;
@@ -75,6 +83,7 @@ pub(crate) use burst::*;
 pub(crate) use catch_up::*;
 pub(crate) use child::*;
 pub(crate) use cpu::*;
+pub(crate) use crowd::*;
 pub(crate) use delayed::*;
 pub(crate) use env::*;
 pub(crate) use flood::*;
@@ -195,6 +204,24 @@ pub(crate) struct Args {
     /// Run only the big-neighbours phase (daemon start, the two cases, stop).
     #[arg(long)]
     pub(crate) only_big_neighbours: bool,
+    /// Run only the crowd phase: `--crowd-nodes` daemons in one group, then
+    /// `--crowd-groups` groups of `--crowd-group-size` sharing the broker and the database
+    /// (needs a Postgres whose max_connections holds them: see timeoutd-bench/crowd.sh).
+    #[arg(long)]
+    pub(crate) only_crowd: bool,
+    /// Daemons in the crowd's one big group.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) crowd_nodes: usize,
+    /// Small groups sharing the broker and the database after the big group (0 skips).
+    #[arg(long, default_value_t = 20)]
+    pub(crate) crowd_groups: usize,
+    /// Daemons per small group.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) crowd_group_size: usize,
+    /// Seconds of the crowd's quiet window (CPU, memory, announcements, connections).
+    /// Default 30 (10 with --quick).
+    #[arg(long)]
+    pub(crate) crowd_watch_secs: Option<u64>,
     /// Directory for bench.json and bench.svg.
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
@@ -352,6 +379,9 @@ pub(crate) async fn main() -> Result<()> {
     let plan = Plan::from(&args)?;
     let daemon_bin = daemon_path(&args)?;
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
+    if args.only_crowd {
+        return only_crowd(&args, daemon_bin, runs).await;
+    }
     if let (true, Some(flood)) = (args.only_scrape_flood, plan.scrape_flood) {
         let measure = async |env: &Env, daemon: &mut Daemon| scrape_flood(env, daemon, flood).await;
         return only_phase(
@@ -391,7 +421,7 @@ pub(crate) async fn main() -> Result<()> {
 }
 
 /// The summary table on stdout and in `<out>/summary.{md,json}`.
-fn write_summary(out: &Path, summary: &[Summed], runs: usize) -> Result<()> {
+pub(crate) fn write_summary(out: &Path, summary: &[Summed], runs: usize) -> Result<()> {
     let table = summary_table(summary, runs);
     println!("\n{table}");
     std::fs::create_dir_all(out)?;
