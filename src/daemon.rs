@@ -91,6 +91,9 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let node_id = Uuid::new_v4();
     let settings = Arc::new(settings);
     let store = Store::connect_as(&settings.postgres, &store::session_name(node_id))?;
+    // A node starts passive: its first checks and counts share one connection too, until
+    // the scan task sets the role's way (see `Store::acquire`).
+    store.lean(true);
     let observer = Store::observer(&settings.postgres, &format!("timeoutd-{node_id}-observe"))?;
     let health = Arc::new(Health::default());
     let probe = Arc::new(Probe::new(&settings, node_id, health.clone()));

@@ -237,9 +237,11 @@ pub enum Output {
     },
     /// A member went silent for `member_ttl` without saying it was leaving: frozen,
     /// cut off or dead. Whatever rows it held locked, the active node releases (see
-    /// `fence`).
+    /// `fence`). `quiet`: it was not active and the rule lets such a member stop
+    /// announcing ([`Rule::Lowest`]), so its silence is no sign of trouble.
     Departed {
         id: Uuid,
+        quiet: bool,
     },
     /// The node withdrew (`candidate: false`, with the cause) or rejoins (`true`).
     Candidacy {
@@ -630,11 +632,15 @@ impl Election {
     /// Keep the members heard within `member_ttl` (the published version inverted this).
     fn expire(&mut self, now: Instant) {
         let ttl = self.timing.member_ttl;
+        let may_fall_quiet = matches!(self.timing.rule, Rule::Lowest { .. });
         let (me, outputs) = (self.me, &mut self.outputs);
         self.members.retain(|id, m| {
             let live = now.saturating_duration_since(m.last_seen) <= ttl;
             if !live && *id != me {
-                outputs.push_back(Output::Departed { id: *id });
+                outputs.push_back(Output::Departed {
+                    id: *id,
+                    quiet: may_fall_quiet && !m.active,
+                });
             }
             live
         });

@@ -345,8 +345,12 @@ impl NodeLoop {
                 );
                 self.exit = Some(Exit::Lagging);
             }
-            Output::Departed { id } => {
-                tracing::warn!(%id, "member departed without leaving (frozen, cut off or dead)");
+            Output::Departed { id, quiet } => {
+                if quiet {
+                    tracing::debug!(%id, "a passive member fell quiet (not among the announcers)");
+                } else {
+                    tracing::warn!(%id, "member departed without leaving (frozen, cut off or dead)");
+                }
                 // Full: the fence task is behind; this node's locks end with its session.
                 let _ = self.ctx.departed.try_send(id);
             }

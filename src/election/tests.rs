@@ -1411,7 +1411,7 @@ fn departed(outputs: &[Output]) -> Vec<Uuid> {
     outputs
         .iter()
         .filter_map(|o| match o {
-            Output::Departed { id } => Some(*id),
+            Output::Departed { id, .. } => Some(*id),
             _ => None,
         })
         .collect()
@@ -1460,4 +1460,42 @@ fn a_node_slow_to_connect_settles_for_an_interval_after_connecting() {
     e.tick(connected + Duration::from_secs(1));
     assert!(e.is_settled());
     assert_eq!(e.role(), Role::Active);
+}
+
+/// Under the `lowest` rule a passive member may stop announcing: its expiry is reported
+/// `quiet` (no warning); an active one's never is, nor anyone's under `all`.
+#[test]
+fn a_passive_member_falling_quiet_is_reported_quiet_where_the_rule_allows_it() {
+    for (rule, quiet_passive) in [(LOWEST3, true), (Rule::All, false)] {
+        let t0 = Instant::now();
+        let mut e = node_with(5, rule, t0);
+        e.step(t0 + MS, heard(id(5)));
+        e.tick(t0 + Duration::from_secs(1));
+        let t1 = t0 + Duration::from_secs(1);
+        e.step(t1, heard(id(7)));
+        e.step(
+            t1,
+            Heard {
+                active: true,
+                ..heard(id(1))
+            },
+        );
+        drain(&mut e);
+        let mut quiet = Vec::new();
+        for s in 2..=6 {
+            let now = t0 + Duration::from_secs(s);
+            e.step(now, heard(id(5)));
+            e.tick(now);
+            quiet.extend(drain(&mut e).into_iter().filter_map(|o| match o {
+                Output::Departed { id, quiet } => Some((id, quiet)),
+                _ => None,
+            }));
+        }
+        quiet.sort();
+        assert_eq!(
+            quiet,
+            vec![(id(1), false), (id(7), quiet_passive)],
+            "{rule:?}"
+        );
+    }
 }
