@@ -144,11 +144,12 @@ fn sync_standbys(primary: &str) -> usize {
 }
 
 /// The broker node (compose service) that the daemon with this node id is connected to,
-/// from the cluster's own list of connections (their names are `timeoutd <node id>`).
+/// from the cluster's own list of connections: the one named `timeoutd <node id>`, and
+/// the address it was accepted on (`client -> server`), which is the node's on "bus".
 fn broker_of(node_id: Uuid) -> Option<&'static str> {
     let name = format!("timeoutd {node_id}");
-    for broker in BROKERS {
-        let Ok(out) = try_run(
+    let out = BROKERS.into_iter().find_map(|broker| {
+        try_run(
             "docker",
             &[
                 "compose",
@@ -158,26 +159,23 @@ fn broker_of(node_id: Uuid) -> Option<&'static str> {
                 "rabbitmqctl",
                 "-q",
                 "list_connections",
-                "pid",
+                "name",
                 "client_properties",
                 "--formatter",
                 "json",
             ],
-        ) else {
-            continue;
-        };
-        let conns: Vec<serde_json::Value> = serde_json::from_str(&out).ok()?;
-        for c in conns {
-            if c.to_string().contains(&name) {
-                let pid = c["pid"].as_str().unwrap_or_default().to_owned();
-                return BROKERS
-                    .into_iter()
-                    .find(|b| pid.contains(&format!("rabbit@{b}.cluster")));
-            }
-        }
-        return None;
-    }
-    None
+        )
+        .ok()
+    })?;
+    let conns: Vec<serde_json::Value> = serde_json::from_str(&out).ok()?;
+    let conn = conns.iter().find(|c| c.to_string().contains(&name))?;
+    let server = conn["name"].as_str()?.split(" -> ").nth(1)?;
+    let ip = server.rsplit_once(':')?.0;
+    let bus = network("bus");
+    BROKERS.into_iter().find(|b| {
+        let format = format!("{{{{(index .NetworkSettings.Networks \"{bus}\").IPAddress}}}}");
+        try_run("docker", &["inspect", "-f", &format, &container(b)]).as_deref() == Ok(ip)
+    })
 }
 
 /// The ingress quorum queue's leader and members (node names), as the cluster says.
