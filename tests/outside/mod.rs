@@ -588,6 +588,26 @@ pub struct Counts {
     /// Each message's first copy after its due time: the 99th percentile and the latest.
     pub late_p99: Duration,
     pub late_max: Duration,
+    /// Of the duplicates, those sent by the node that sent the first copy (a retry after
+    /// an unknown outcome) rather than by another (a takeover).
+    pub same_node: usize,
+    /// The longest time between a message's first copy and its last.
+    pub dup_spread: Duration,
+}
+
+impl Counts {
+    /// `N` or `N (K by the same node, copies up to S apart)`.
+    fn duplicates(&self) -> String {
+        if self.duplicates == 0 {
+            return "0".to_owned();
+        }
+        format!(
+            "{} ({} by the same node, copies up to {:.2}s apart)",
+            self.duplicates,
+            self.same_node,
+            self.dup_spread.as_secs_f64()
+        )
+    }
 }
 
 /// What one scenario measured.
@@ -643,7 +663,7 @@ where
         t.sent,
         t.lost,
         t.early,
-        t.duplicates,
+        t.duplicates(),
         t.late_p99.as_secs_f64(),
         t.late_max.as_secs_f64(),
         limit.as_secs_f64(),
@@ -656,7 +676,7 @@ where
             d.sent,
             d.lost,
             d.early,
-            d.duplicates,
+            d.duplicates(),
             d.late_p99.as_secs_f64(),
             d.late_max.as_secs_f64()
         );
@@ -747,6 +767,13 @@ fn count(sent: &Sent, got: &HashMap<String, Vec<Got>>) -> Counts {
         c.lost += usize::from(copies.is_empty());
         c.early += copies.iter().filter(|g| g.at < *due).count();
         c.duplicates += copies.len().saturating_sub(1);
+        if let [first, rest @ ..] = copies {
+            c.same_node += rest.iter().filter(|g| g.sender == first.sender).count();
+            if let Some(last) = rest.iter().map(|g| g.at).max() {
+                let spread = (last - first.at).to_std().unwrap_or_default();
+                c.dup_spread = c.dup_spread.max(spread);
+            }
+        }
         if let Some(first) = copies.iter().map(|g| g.at).min() {
             lateness.push((first - *due).to_std().unwrap_or_default());
         }
