@@ -445,9 +445,16 @@ async fn d_rolling_restart_of_the_brokers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs Docker and the topology stack: run by .ci/topology-test"]
 async fn e_one_broker_node_partitioned_from_the_others() {
-    let cause = "TimeOuts and delayed messages published whose confirms the pause lost";
+    let cause = "publishes on the cut node whose confirms did not come within \
+                 amqp.confirm_timeout (RabbitMQ 4.3 did not pause it: its daemons kept \
+                 connections and one stayed active there), retried and also delivered once \
+                 the cluster healed";
     let (_, _, broker) = the_active_broker().await;
     println!("topology broker-partition: the active daemon uses {broker}: cut from the cluster");
+    // The test's consumer and publisher on the majority: on the cut node they would see
+    // nothing until the cluster heals (RabbitMQ 4.3 keeps the minority's connections), and
+    // the gap measured would be theirs.
+    outside::avoid_broker(BROKERS.iter().position(|b| *b == broker));
     scenario(
         &TOPOLOGY,
         "broker-partition",
@@ -469,6 +476,7 @@ async fn e_one_broker_node_partitioned_from_the_others() {
         },
     )
     .await;
+    outside::avoid_broker(None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
