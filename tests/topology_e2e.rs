@@ -450,7 +450,23 @@ async fn e_one_broker_node_partitioned_from_the_others() {
                  connections and one stayed active there), retried and also delivered once \
                  the cluster healed";
     let (_, _, broker) = the_active_broker().await;
-    println!("topology broker-partition: the active daemon uses {broker}: cut from the cluster");
+    let mut placement = Vec::new();
+    for (service, port) in TOPOLOGY.replicas {
+        let node = outside::status(*port).await;
+        let id = node
+            .as_ref()
+            .and_then(|s| s["node_id"].as_str()?.parse().ok());
+        let role = node
+            .as_ref()
+            .and_then(|s| s["role"].as_str().map(str::to_owned));
+        let on = id.and_then(broker_of).unwrap_or("?");
+        placement.push(format!("{service} ({}) on {on}", role.unwrap_or_default()));
+    }
+    println!(
+        "topology broker-partition: the active daemon uses {broker}: cut from the cluster; \
+         daemons: {}",
+        placement.join(", ")
+    );
     // The test's consumer and publisher on the majority: on the cut node they would see
     // nothing until the cluster heals (RabbitMQ 4.3 keeps the minority's connections), and
     // the gap measured would be theirs.
