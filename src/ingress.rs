@@ -374,9 +374,9 @@ async fn store(ctx: &Intake, items: &[Ingest], quota: Quota) -> Result<IngestOut
         .await
         {
             Ok(outcome) => return Ok(outcome),
-            Err(StoreError::Db(sqlx::Error::Database(e))) => {
+            Err(StoreError::Db(sqlx::Error::Database(e))) if about_the_message(&*e) => {
                 tracing::warn!(error = %e, "the database refused a batch of delayed messages: storing them one by one");
-                return Ok(store_alone(ctx, items, quota).await);
+                return store_alone(ctx, items, quota).await;
             }
             Err(e) => {
                 let delay = backoff.next_delay();
@@ -395,10 +395,26 @@ async fn store(ctx: &Intake, items: &[Ingest], quota: Quota) -> Result<IngestOut
     }
 }
 
+/// SQLSTATE classes and codes that say the database cannot take anything now, whatever
+/// the message: connection exception (08, PgBouncer's cached login failure too),
+/// transaction rollback (40: serialization, deadlock), insufficient resources (53), lock
+/// not available (55P03), operator intervention (57: statement timeout, shutdown,
+/// cannot connect now), system error (58), read-only transaction (25006: a demoted
+/// primary). Such a refusal is the database being away, retried with the messages
+/// unacknowledged; only another refusal is about the message, to store held.
+const NOT_ABOUT_THE_MESSAGE: [&str; 6] = ["08", "40", "53", "57", "58", "55P03"];
+
+fn about_the_message(e: &dyn sqlx::error::DatabaseError) -> bool {
+    e.code()
+        .is_none_or(|c| c != "25006" && !NOT_ABOUT_THE_MESSAGE.iter().any(|p| c.starts_with(p)))
+}
+
 /// Each message in a transaction of its own; one the database refuses as it is is
 /// stored held, with its body and the database's reason; one that cannot be stored at
-/// all is logged and counted (the database refused even the plain row).
-async fn store_alone(ctx: &Intake, items: &[Ingest], quota: Quota) -> IngestOutcome {
+/// all is logged and counted (the database refused even the plain row). When the
+/// database is away meanwhile, the batch goes back to the queue unacknowledged (what
+/// was stored of it is found by its message_id when it comes again).
+async fn store_alone(ctx: &Intake, items: &[Ingest], quota: Quota) -> Result<IngestOutcome, Ended> {
     let mut total = IngestOutcome::default();
     for (i, item) in items.iter().enumerate() {
         let outcome = match bounded(
@@ -412,7 +428,7 @@ async fn store_alone(ctx: &Intake, items: &[Ingest], quota: Quota) -> IngestOutc
         .await
         {
             Ok(o) => Ok(o),
-            Err(StoreError::Db(sqlx::Error::Database(e))) => match item {
+            Err(StoreError::Db(sqlx::Error::Database(e))) if about_the_message(&*e) => match item {
                 Ingest::Store(s) => {
                     let plain = Ingest::Store(Box::new(held_plain(s, &e.to_string())));
                     bounded(
@@ -428,13 +444,22 @@ async fn store_alone(ctx: &Intake, items: &[Ingest], quota: Quota) -> IngestOutc
         };
         match outcome {
             Ok(o) => total = total.plus(o, i),
+            Err(e) if !refused(&e) => {
+                tracing::warn!(error = %Chain(&e), "cannot store delayed messages now: giving them back to the queue");
+                return Err(Ended::DatabaseAway);
+            }
             Err(e) => {
                 tracing::error!(error = %Chain(&e), "a delayed message could not be stored at all: dropped");
                 ctx.probe.metrics.ingest_dropped();
             }
         }
     }
-    total
+    Ok(total)
+}
+
+/// Whether the database refused this (rather than being away).
+fn refused(e: &StoreError) -> bool {
+    matches!(e, StoreError::Db(sqlx::Error::Database(d)) if about_the_message(&**d))
 }
 
 /// A message the database would not take as it was: body and routing key kept, the

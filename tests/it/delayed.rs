@@ -775,3 +775,48 @@ async fn an_ingress_batch_dropped_while_it_gathers_loses_no_message() {
     assert!(seen.values().all(|n| *n == 1), "each once");
     world.cleanup().await;
 }
+
+/// A database that cannot take anything for a while (here: the table locked past the
+/// daemon's lock_timeout, as when commits wait for a synchronous standby after a
+/// restart; or PgBouncer's cached login failure) is the database being away, not a
+/// refusal of the message: the messages wait in the queue and arrive afterwards as
+/// published, none stored held with its properties lost, none dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_delayed_messages_table_holds_the_messages_back_and_loses_none() {
+    let (world, target) = delayed_world().await;
+    let inbox = Inbox::on_exchange(&target, "waits.#").await;
+    let node = world.start().await;
+    wait_active(&node).await;
+    let mut lock = world.pool.begin().await.expect("begin");
+    // The schema is the test's own, made of hex digits.
+    let statement = format!(
+        "LOCK TABLE {}.delayed_messages IN ACCESS EXCLUSIVE MODE",
+        world.schema
+    );
+    sqlx::query(sqlx::AssertSqlSafe(statement))
+        .execute(&mut *lock)
+        .await
+        .expect("lock");
+    const N: usize = 5;
+    let (_conn, ch) = publisher().await;
+    for i in 0..N {
+        let props = BasicProperties::default()
+            .with_message_id(format!("waits-{i}").into())
+            .with_delivery_mode(2)
+            .with_headers(headers(vec![("x-delay", AMQPValue::LongInt(200))]));
+        publish(&ch, &world.ingress(), &format!("waits.{i}"), props, b"x").await;
+    }
+    // Past the lock timeout (at most 1 s) of the batch, of each message alone and of a
+    // held row's insert.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    lock.rollback().await.expect("unlock");
+    wait_for(PATIENCE, "every delayed message", || inbox.len() >= N).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut ids: Vec<String> = inbox.all().iter().map(|g| g.message_id()).collect();
+    ids.sort();
+    let sent: Vec<String> = (0..N).map(|i| format!("waits-{i}")).collect();
+    assert_eq!(ids, sent, "each message once, its message_id as published");
+    assert_eq!(count(&world, "true").await, 0, "nothing left, nothing held");
+    node.stop().await;
+    world.cleanup().await;
+}
