@@ -1,7 +1,7 @@
 //! The topology users run, for real: `.ci/topology-test` brings up
 //! `tests/topology/compose.yml` (CI stand-in images; project timeoutd-topology) — a
 //! 3-node RabbitMQ 4.3 cluster (pause_minority), Postgres 18 primary + synchronous
-//! streaming standby, PgBouncer (session mode), the group "topology" (timeoutd-1..3,
+//! streaming standby, PgBouncer (transaction mode), the group "topology" (timeoutd-1..3,
 //! every broker and both Postgres hosts in their URLs) and the group "bouncer"
 //! (bouncer-1..2, Postgres through PgBouncer) — and runs these one at a time on that one
 //! stack. Each scenario puts TimeOuts and delayed messages on it at once, injects its

@@ -3,13 +3,13 @@
 # virtual IP would point it): the configuration is written for the primary found at
 # start, and rewritten and reloaded when another host becomes the primary.
 #
-# Session mode: timeoutd holds session state (LISTEN, advisory locks). PgBouncer refuses
-# the startup parameter `options` that timeoutd sends (search_path = postgres.schema and
-# its statement, lock and idle-in-transaction timeouts) unless told to ignore it, and then
-# drops it: the database entry sets the same on every server connection (connect_query).
+# Transaction mode (docs/operating/pgbouncer.md): the daemons' pool comes through here,
+# their sessions (LISTEN, migrations) go to the primary itself (postgres.session_url).
+# Prepared statements are tracked (max_prepared_statements); the daemons send no session
+# settings through a pooler, and the server must bound the sessions: the database entry
+# sets the bounds on every server connection (connect_query).
 set -eu
 HOSTS=${PG_HOSTS:?}
-SCHEMA=${BOUNCER_SCHEMA:-bouncer}
 DIR=/tmp/pgbouncer
 mkdir -p "$DIR"
 
@@ -25,7 +25,7 @@ primary() {
 write_ini() {
   cat >"$DIR/pgbouncer.ini" <<INI
 [databases]
-postgres = host=$1 port=5432 dbname=postgres pool_mode=session connect_query='SET search_path = $SCHEMA; SET statement_timeout = 10000; SET lock_timeout = 1000; SET idle_in_transaction_session_timeout = 10000'
+postgres = host=$1 port=5432 dbname=postgres connect_query='SET statement_timeout = 10000; SET lock_timeout = 1000; SET idle_in_transaction_session_timeout = 10000'
 
 [pgbouncer]
 listen_addr = 0.0.0.0
@@ -33,8 +33,9 @@ listen_port = 6432
 unix_socket_dir = $DIR
 auth_type = trust
 auth_file = $DIR/users.txt
-pool_mode = session
-ignore_startup_parameters = extra_float_digits, options
+pool_mode = transaction
+max_prepared_statements = 200
+ignore_startup_parameters = extra_float_digits
 max_client_conn = 200
 default_pool_size = 40
 server_login_retry = 1
