@@ -732,33 +732,57 @@ async fn audit(
               + (SELECT count(*) FROM {s}.delayed_messages WHERE routing_key = $2)",
         s = stack.schema
     );
-    // Everything fired (none of the scenario's left), every certain one received.
-    wait_until(
-        Duration::from_secs(120),
-        "the scenario's rows all fired and every certain message arrived",
-        || async {
-            let Some(pool) = db.pool().await else {
-                return false;
-            };
-            let left: Result<i64, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(left_sql.as_str()))
-                .bind(&prefix)
-                .bind(&consumer.queue)
-                .fetch_one(&pool)
-                .await;
-            if left.is_err() {
-                db.forget();
+    // Everything fired (none of the scenario's left), every certain one received. Past
+    // the limit, what is missing is named: rows still in the tables, certain messages
+    // not received (by kind, with a few ids).
+    let limit = Duration::from_secs(120);
+    let deadline = Instant::now() + limit;
+    loop {
+        let left: Option<i64> = match db.pool().await {
+            Some(pool) => {
+                let left = sqlx::query_scalar(sqlx::AssertSqlSafe(left_sql.as_str()))
+                    .bind(&prefix)
+                    .bind(&consumer.queue)
+                    .fetch_one(&pool)
+                    .await;
+                if left.is_err() {
+                    db.forget();
+                }
+                left.ok()
             }
-            let got = consumer.snapshot();
-            let certain = [timeouts, delayed].iter().all(|sent| {
-                sent.due
+            None => None,
+        };
+        let got = consumer.snapshot();
+        let missing: Vec<(&str, Vec<&String>)> = [("TimeOuts", timeouts), ("delayed", delayed)]
+            .into_iter()
+            .map(|(kind, sent)| {
+                let ids = sent
+                    .due
                     .keys()
-                    .filter(|id| !sent.maybe.contains(id))
-                    .all(|id| got.contains_key(id))
-            });
-            matches!(left, Ok(0)) && certain
-        },
-    )
-    .await;
+                    .filter(|id| !sent.maybe.contains(*id) && !got.contains_key(*id))
+                    .collect();
+                (kind, ids)
+            })
+            .collect();
+        if left == Some(0) && missing.iter().all(|(_, ids)| ids.is_empty()) {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<String> = missing
+                .iter()
+                .map(|(kind, ids)| {
+                    let some: Vec<&&String> = ids.iter().take(5).collect();
+                    format!("{kind}: {} not received (e.g. {some:?})", ids.len())
+                })
+                .collect();
+            panic!(
+                "{name}: timed out after {limit:?}: the scenario's rows all fired and every \
+                 certain message arrived; rows left in the tables: {left:?}; {}",
+                missing.join("; ")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let got = consumer.snapshot();
     Audit {
