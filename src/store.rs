@@ -357,8 +357,8 @@ impl Store {
         e
     }
 
-    /// Changes each time the pool moves to another host of a multi-host
-    /// `postgres.url`; `None` with nothing to move to. A session held outside the pool
+    /// Changes each time the sessions' pool (see [`Store::session`]) moves to another
+    /// host of its multi-host URL; `None` with nothing to move to. A session held outside the pool
     /// (the LISTEN connection) would otherwise stay on a host turned read-only but up,
     /// where no notice ever comes.
     pub(crate) fn host_moves(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
@@ -722,9 +722,9 @@ fn safe(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(sql.clone())
 }
 
-/// One host's options (`base`, from its URL) completed with our session settings.
-/// The options of a connection: its name, and unless `pooled` (see [`Store::open`]) the
-/// session settings, sent at startup (no round trip).
+/// One host's options (`base`, from its URL) completed: the connection's name, and
+/// unless `pooled` (see [`Store::open`]) the session settings, sent at startup (no round
+/// trip).
 fn connect_options(
     settings: &config::Postgres,
     name: &str,
