@@ -331,9 +331,11 @@ impl World {
     /// DROP SCHEMA, which waits for every lock on its tables: sessions still holding
     /// one after the test (a daemon that did not let go) are named, then ended.
     async fn drop_schema(&self) {
+        // The migrations create the role <schema>_api (cluster-wide): dropped with it.
         let drop = format!(
-            "SET lock_timeout = '10s'; DROP SCHEMA IF EXISTS {} CASCADE; RESET lock_timeout",
-            self.schema
+            "SET lock_timeout = '10s'; DROP SCHEMA IF EXISTS {s} CASCADE; RESET lock_timeout; \
+             DROP ROLE IF EXISTS {s}_api",
+            s = self.schema
         );
         for _ in 0..3 {
             let Err(e) = sqlx::raw_sql(sqlx::AssertSqlSafe(drop.clone()))
