@@ -18,7 +18,9 @@
 -- Expectations: an optional key that makes expect() idempotent, and the W3C trace
 -- context the TimeOut carries.
 ALTER TABLE expected_messages ADD COLUMN IF NOT EXISTS idempotency_key text NULL;
-ALTER TABLE expected_messages ADD COLUMN IF NOT EXISTS traceparent text NULL;
+ALTER TABLE expected_messages ADD COLUMN IF NOT EXISTS traceparent text NULL
+    CONSTRAINT expected_messages_traceparent_check
+    CHECK (traceparent ~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$');
 CREATE UNIQUE INDEX IF NOT EXISTS expected_messages_idempotency_key_key
     ON expected_messages (idempotency_key) WHERE idempotency_key IS NOT NULL;
 -- cancel_expectations(process_id, message_type), and the console's search.

@@ -474,6 +474,7 @@ fn held_plain(s: &Stored, why: &str) -> Stored {
         routing_key: s.routing_key.clone(),
         properties: serde_json::json!({ "message_id": id }).to_string(),
         body: s.body.clone(),
+        body_dropped: s.body_dropped,
         held: Some(Held {
             why: format!(
                 "the database refused the message as published ({why}); its properties are lost"

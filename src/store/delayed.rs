@@ -29,6 +29,8 @@ pub struct DelayedRow {
     /// `None` when larger than the scan asked for (then `body_bytes` says how large).
     pub body: Option<Vec<u8>>,
     pub body_bytes: i32,
+    /// Stored without its body (larger than `delay.max_body`): never deliverable.
+    pub body_dropped: bool,
     pub attempts: i32,
     pub created_at: DateTime<Utc>,
     /// When it may be sent: `deliver_at`, or a later retry time.
@@ -102,6 +104,9 @@ pub struct Stored {
     /// `wire::Properties` (stored as jsonb).
     pub properties: String,
     pub body: Vec<u8>,
+    /// The body was over `delay.max_body` and is not stored (`body` is empty): the row
+    /// can never be delivered, even when released.
+    pub body_dropped: bool,
     /// Bad input: kept, but held for an operator, never delivered.
     pub held: Option<Held>,
 }
@@ -231,7 +236,7 @@ pub fn lock_delayed_sql(table: &str) -> String {
         "SELECT m.id, m.owner, m.message_id, {deadline} AS deliver_at, m.exchange, \
          m.routing_key, m.properties::text AS properties, \
          CASE WHEN octet_length(m.body) <= $2 THEN m.body END AS body, \
-         octet_length(m.body) AS body_bytes, m.attempts, m.created_at, {due} \
+         octet_length(m.body) AS body_bytes, m.body_dropped, m.attempts, m.created_at, {due} \
          FROM {table} AS m WHERE {window} AND m.id <> ALL($3) \
          ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
     )
@@ -312,14 +317,15 @@ impl Statements {
                  WHERE c.owner = r.owner AND c.message_id = r.message_id \
                  AND c.expires_at > now()) AS cancelled \
                  FROM unnest($1::uuid[], $2::text[], $3::text[], $4::float8[], \
-                 $5::timestamptz[], $6::text[], $7::text[], $8::text[], $9::bytea[], $10::text[]) \
+                 $5::timestamptz[], $6::text[], $7::text[], $8::text[], $9::bytea[], $10::text[], \
+                 $11::bool[]) \
                  AS r(id, owner, message_id, delay_ms, at, exchange, routing_key, properties, \
-                 body, held)), \
+                 body, held, body_dropped)), \
                  stored AS (INSERT INTO {t} (id, owner, message_id, deliver_at, exchange, \
-                 routing_key, properties, body, attempts, last_error, retry_at) \
+                 routing_key, properties, body, body_dropped, attempts, last_error, retry_at) \
                  SELECT r.id, r.owner, r.message_id, \
                  coalesce(r.at, now() + make_interval(secs => r.delay_ms / 1000.0)), \
-                 r.exchange, r.routing_key, r.properties::jsonb, r.body, \
+                 r.exchange, r.routing_key, r.properties::jsonb, r.body, r.body_dropped, \
                  CASE WHEN r.held IS NULL THEN 0 ELSE 1 END, r.held, \
                  CASE WHEN r.held IS NULL THEN NULL ELSE 'infinity'::timestamptz END \
                  FROM r WHERE NOT r.cancelled \
@@ -538,6 +544,7 @@ impl Store {
                     .map(|r| r.held.as_ref().map(|h| h.why.as_str()))
                     .collect::<Vec<_>>(),
             )
+            .bind(rows.iter().map(|r| r.body_dropped).collect::<Vec<_>>())
             .fetch_one(&mut *tx)
             .await?;
         let (inserted, cancelled) = (inserted.unsigned_abs(), cancelled.unsigned_abs());

@@ -26,6 +26,8 @@ pub struct DueRow {
     /// the database (then `payload_bytes` is set: 0 until it was read, then its size).
     pub payload: Option<String>,
     pub payload_bytes: Option<i32>,
+    /// The W3C trace context the expectation was written with: the TimeOut carries it.
+    pub traceparent: Option<String>,
     pub attempts: i32,
     /// When it may be sent: `timeout_at`, or a later retry time.
     pub due_at: DateTime<Utc>,
@@ -90,7 +92,7 @@ pub fn lock_due_sql(table: &str) -> String {
     format!(
         "SELECT m.id, m.process_id, m.message_type, {deadline} AS timeout_at, m.exchange, \
          m.routing_key, CASE WHEN {inline} THEN m.payload::text END AS payload, \
-         CASE WHEN NOT ({inline}) THEN 0 END AS payload_bytes, m.attempts, {due} \
+         CASE WHEN NOT ({inline}) THEN 0 END AS payload_bytes, m.traceparent, m.attempts, {due} \
          FROM {table} AS m \
          WHERE {window} AND m.id <> ALL($3) ORDER BY {due_at} LIMIT $1 FOR UPDATE OF m SKIP LOCKED"
     )

@@ -74,7 +74,8 @@ pub fn ingest(message: Message, rules: &Rules, now: DateTime<Utc>) -> Ingest {
     if let Err(e) = short(&routing_key, "routing key") {
         problems.push((Bound::BadInput, e.0));
     }
-    if body.len() > rules.max_body {
+    let body_dropped = body.len() > rules.max_body;
+    if body_dropped {
         problems.push((
             Bound::TooLarge,
             format!(
@@ -119,6 +120,7 @@ pub fn ingest(message: Message, rules: &Rules, now: DateTime<Utc>) -> Ingest {
         routing_key,
         properties,
         body,
+        body_dropped,
         held,
     }))
 }
@@ -302,6 +304,12 @@ fn fold(c: char) -> char {
 /// sent it and who published it (its owner). Where it may go is not judged here (see
 /// [`Destinations`]).
 pub fn delivery(row: &DelayedRow, node: Uuid) -> Result<Message, Invalid> {
+    if row.body_dropped {
+        return Err(Invalid(
+            "stored without its body (larger than delay.max_body): it cannot be delivered"
+                .to_owned(),
+        ));
+    }
     let mut properties: Properties = serde_json::from_str(&row.properties)
         .map_err(|e| Invalid(format!("stored properties are not readable: {e}")))?;
     short(&row.exchange, "exchange name")?;

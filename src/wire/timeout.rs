@@ -11,6 +11,10 @@ use crate::store::DueRow;
 pub const MESSAGE_TYPE: &str = "TimeOut";
 /// Header naming the node that fired.
 pub const NODE_HEADER: &str = "x-timeoutd-node";
+/// Header carrying the W3C trace context of the request that wrote the expectation
+/// (<https://www.w3.org/TR/trace-context/>), under the name OpenTelemetry's AMQP
+/// propagators read.
+pub const TRACEPARENT_HEADER: &str = "traceparent";
 
 /// The body of a TimeOut, without `payload` (see [`body`]).
 #[derive(Debug, Serialize)]
@@ -27,6 +31,10 @@ pub fn timeout(row: &DueRow, node: Uuid) -> Result<Message, Invalid> {
     short(&row.process_id, "process_id")?;
     short(&row.exchange, "exchange name")?;
     short(&row.routing_key, "routing key")?;
+    let mut headers = vec![(NODE_HEADER.to_owned(), Value::Str(node.to_string()))];
+    if let Some(trace) = &row.traceparent {
+        headers.push((TRACEPARENT_HEADER.to_owned(), Value::Str(trace.clone())));
+    }
     let properties = Properties {
         kind: Some(MESSAGE_TYPE.to_owned()),
         message_id: Some(row.id.to_string()),
@@ -34,7 +42,7 @@ pub fn timeout(row: &DueRow, node: Uuid) -> Result<Message, Invalid> {
         content_type: Some("application/json".to_owned()),
         delivery_mode: Some(2),
         timestamp: Some(u64::try_from(row.fired_at.timestamp()).unwrap_or(0)),
-        headers: vec![(NODE_HEADER.to_owned(), Value::Str(node.to_string()))],
+        headers,
         ..Properties::default()
     };
     Ok(Message {
@@ -93,6 +101,7 @@ mod tests {
             routing_key: "orders.timeouts".into(),
             payload: Some(r#"{"big": 1e400, "deep": [[[1]]]}"#.into()),
             payload_bytes: None,
+            traceparent: Some(TRACE.into()),
             attempts: 0,
             due_at: at,
             fired_at: at,
@@ -106,5 +115,17 @@ mod tests {
         assert_eq!((t.timeout_at, t.fired_at), (at, at));
         assert_eq!(t.payload.get(), row.payload.as_deref().unwrap_or_default());
         assert_eq!(m.properties.message_id, Some(row.id.to_string()));
+        assert_eq!(
+            m.properties.header(TRACEPARENT_HEADER),
+            Some(&Value::Str(TRACE.into()))
+        );
+        let untraced = DueRow {
+            traceparent: None,
+            ..row
+        };
+        let m = timeout(&untraced, Uuid::nil()).expect("a TimeOut");
+        assert_eq!(m.properties.header(TRACEPARENT_HEADER), None);
     }
+
+    const TRACE: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 }

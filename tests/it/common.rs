@@ -395,8 +395,13 @@ pub struct Received {
 impl Received {
     /// The `x-timeoutd-node` header: which node fired it.
     pub fn sender(&self) -> Option<String> {
+        self.header_str("x-timeoutd-node")
+    }
+
+    /// A header whose value is a string.
+    pub fn header_str(&self, name: &str) -> Option<String> {
         let headers = self.properties.headers().as_ref()?;
-        match headers.inner().get("x-timeoutd-node")? {
+        match headers.inner().get(name)? {
             lapin::types::AMQPValue::LongString(s) => Some(s.to_string()),
             _ => None,
         }

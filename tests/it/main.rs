@@ -25,6 +25,7 @@ mod migrations;
 mod on_time;
 mod principals;
 mod proxy;
+mod sql_api;
 mod stopping;
 mod tls;
 mod trust_delay;

@@ -1,9 +1,9 @@
 //! The Postgres rights SECURITY.md lists are enough, and nothing more is needed: the
 //! schema is migrated by its owner, then a daemon logs in as a role with exactly the
 //! documented grants (and `postgres.migrate_on_start = false`) and fires a TimeOut and
-//! a delayed message; a process manager's role with its documented grants expects,
-//! moves and cancels. A grant missing from the list would fail here with "permission
-//! denied".
+//! a delayed message; a process manager's role granted only the SQL API's role expects,
+//! moves and cancels through it, and cannot touch the tables. A grant missing from the
+//! list would fail here with "permission denied".
 
 use std::time::Duration;
 
@@ -18,16 +18,19 @@ use crate::delayed::{headers, publish, publisher};
 /// The grants of SECURITY.md, for `schema`: (role kind, statements).
 fn grants(schema: &str, daemon: &str, manager: &str) -> Vec<String> {
     vec![
-        format!("GRANT USAGE ON SCHEMA {schema} TO {daemon}, {manager}"),
+        format!("GRANT USAGE ON SCHEMA {schema} TO {daemon}"),
         format!("GRANT SELECT, UPDATE, DELETE ON {schema}.expected_messages TO {daemon}"),
         format!(
             "GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.delayed_messages, \
              {schema}.delayed_cancels, {schema}.delayed_usage TO {daemon}"
         ),
         format!("GRANT SELECT, UPDATE ON {schema}.pending_counts TO {daemon}"),
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.expected_messages TO {manager}"),
+        format!("GRANT {schema}_api TO {daemon}"),
+        format!("GRANT {schema}_api TO {manager}"),
     ]
 }
+
+const TRACE: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 
 /// The URL of `role` on the test database.
 fn url_as(role: &str) -> String {
@@ -95,6 +98,30 @@ async fn a_daemon_and_a_process_manager_work_with_the_documented_grants_alone() 
             .await
             .expect("cancel")
     );
+    // The outbox, in the manager's own transaction.
+    let mut tx = pm.begin().await.expect("begin");
+    let outbox = client::publish_at_commit(
+        &mut tx,
+        &world.schema,
+        &target,
+        "outbox",
+        b"at commit",
+        &serde_json::json!({"headers": {"traceparent": TRACE}}),
+    )
+    .await
+    .expect("publish_at_commit");
+    tx.commit().await.expect("commit");
+    // The API and nothing else: the tables are out of the manager's reach.
+    for sql in [
+        format!("SELECT count(*) FROM {}.expected_messages", world.schema),
+        format!("DELETE FROM {}.delayed_messages", world.schema),
+    ] {
+        let e = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+            .execute(&mut *conn)
+            .await
+            .expect_err("no table rights");
+        assert!(e.to_string().contains("permission denied"), "{sql}: {e}");
+    }
     drop(conn);
 
     wait_for_async(PATIENCE, "the ingress consuming", || async {
@@ -108,10 +135,21 @@ async fn a_daemon_and_a_process_manager_work_with_the_documented_grants_alone() 
         .with_headers(headers(vec![("x-delay", AMQPValue::LongLongInt(300))]));
     publish(&ch, &world.ingress(), "k", props, b"later").await;
 
-    wait_for(PATIENCE, "both TimeOuts and the delayed message", || {
-        timeouts.len() == 2 && delayed.len() == 1
+    wait_for(PATIENCE, "both TimeOuts and both delayed messages", || {
+        timeouts.len() == 2 && delayed.len() == 2
     })
     .await;
+    let sent = delayed.all();
+    let outboxed = sent
+        .iter()
+        .find(|r| r.message_id() == outbox)
+        .expect("the outbox message");
+    assert_eq!(outboxed.raw, b"at commit");
+    assert_eq!(outboxed.header_str("traceparent").as_deref(), Some(TRACE));
+    assert_eq!(
+        outboxed.header_str("x-timeoutd-user-id"),
+        Some(format!("sql:{manager}"))
+    );
     let ids: Vec<String> = timeouts.all().iter().map(|r| r.message_id()).collect();
     assert!(ids.contains(&fired.to_string()) && ids.contains(&moved_id.to_string()));
     // A TimeOut is delivered before its row's delete commits: wait for the commit.

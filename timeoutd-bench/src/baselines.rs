@@ -85,6 +85,7 @@ pub(crate) fn baseline_messages(
                 routing_key: queue.to_owned(),
                 payload: Some(serde_json::json!({ "i": i }).to_string()),
                 payload_bytes: None,
+                traceparent: None,
                 attempts: 0,
                 due_at: now,
                 fired_at: now,

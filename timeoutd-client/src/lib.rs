@@ -1,6 +1,8 @@
 //! The client of timeoutd for Rust process managers: register, cancel and move
-//! expectations inside your own sqlx transaction, so the expectation commits or rolls
-//! back with your state; and decode the TimeOuts that arrive ([`TimeOut`]). Small
+//! expectations, and publish messages at commit (the outbox), inside your own sqlx
+//! transaction, so they commit or roll back with your state; and decode the TimeOuts
+//! that arrive ([`TimeOut`]). Every call is one of the SQL API's functions (migration
+//! 0009), so the role needs only `<schema>_api`. Small
 //! dependencies only (sqlx's Postgres driver, serde, chrono, uuid): not the daemon.
 //!
 //! ```no_run
@@ -114,6 +116,12 @@ pub struct Expectation {
     pub exchange: String,
     pub routing_key: String,
     pub payload: Option<serde_json::Value>,
+    /// Makes [`expect`] idempotent: while an expectation with this key is pending, a
+    /// second one with the same key adds nothing and returns the first one's id.
+    pub idempotency_key: Option<String>,
+    /// A W3C trace context (`00-<trace id>-<span id>-<flags>`): the TimeOut carries it as
+    /// its `traceparent` header.
+    pub traceparent: Option<String>,
 }
 
 impl Expectation {
@@ -127,6 +135,8 @@ impl Expectation {
             exchange: String::new(),
             routing_key: routing_key.to_owned(),
             payload: None,
+            idempotency_key: None,
+            traceparent: None,
         }
     }
 
@@ -149,67 +159,119 @@ impl Expectation {
         self.payload = Some(payload);
         self
     }
+
+    pub fn idempotency_key(mut self, key: &str) -> Self {
+        self.idempotency_key = Some(key.to_owned());
+        self
+    }
+
+    pub fn traceparent(mut self, traceparent: &str) -> Self {
+        self.traceparent = Some(traceparent.to_owned());
+        self
+    }
 }
 
-fn table(schema: &str) -> Result<String, sqlx::Error> {
-    Schema::new(schema)
-        .map(|s| s.table())
-        .map_err(|e| sqlx::Error::Configuration(format!("schema {e}").into()))
+/// `SELECT <schema>.<function>(<args>)`: every call goes through the SQL API
+/// (docs/integrating/sql-api.md), never the tables.
+fn call(schema: &str, function: &str, args: &str) -> Result<String, sqlx::Error> {
+    let schema = Schema::new(schema)
+        .map_err(|e| sqlx::Error::Configuration(format!("schema {e}").into()))?;
+    Ok(format!("SELECT {schema}.{function}({args})"))
 }
 
-/// Insert the expectation; returns its id (the TimeOut's `message_id`).
+/// Register the expectation (SQL `expect`); returns its id, the TimeOut's `message_id`
+/// (with an idempotency key already pending: that expectation's id).
 pub async fn expect(
     conn: &mut PgConnection,
     schema: &str,
     e: &Expectation,
 ) -> Result<Uuid, sqlx::Error> {
-    let sql = format!(
-        "INSERT INTO {} (id, process_id, message_type, timeout_at, exchange, routing_key, \
-         payload) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        table(schema)?
-    );
-    sqlx::query(AssertSqlSafe(sql))
-        .bind(e.id)
+    let sql = call(
+        schema,
+        "expect",
+        "process_id => $1, message_type => $2, routing_key => $3, timeout_at => $4, \
+         exchange => $5, payload => $6, idempotency_key => $7, traceparent => $8, id => $9",
+    )?;
+    sqlx::query_scalar(AssertSqlSafe(sql))
         .bind(&e.process_id)
         .bind(&e.message_type)
+        .bind(&e.routing_key)
         .bind(e.timeout_at)
         .bind(&e.exchange)
-        .bind(&e.routing_key)
         .bind(&e.payload)
-        .execute(conn)
-        .await?;
-    Ok(e.id)
+        .bind(&e.idempotency_key)
+        .bind(&e.traceparent)
+        .bind(e.id)
+        .fetch_one(conn)
+        .await
 }
 
-/// Delete the expectation. `true`: cancelled in time. `false`: it is gone already, so
-/// its TimeOut has fired (or is firing right now and will arrive).
+/// Cancel the expectation. `true`: cancelled in time. `false`: it is gone already, so
+/// its TimeOut has fired (a row being fired at that moment is waited for).
 pub async fn cancel(conn: &mut PgConnection, schema: &str, id: Uuid) -> Result<bool, sqlx::Error> {
-    let sql = format!("DELETE FROM {} WHERE id = $1", table(schema)?);
-    let done = sqlx::query(AssertSqlSafe(sql))
+    sqlx::query_scalar(AssertSqlSafe(call(schema, "cancel_expectation", "$1")?))
         .bind(id)
-        .execute(conn)
-        .await?;
-    Ok(done.rows_affected() == 1)
+        .fetch_one(conn)
+        .await
 }
 
-/// Move the deadline. `false` means the TimeOut has already fired. Resets the failure
-/// backoff, since the new deadline is a new intent.
+/// Cancel every pending expectation of a process (of one message type, or all); how
+/// many.
+pub async fn cancel_all(
+    conn: &mut PgConnection,
+    schema: &str,
+    process_id: &str,
+    message_type: Option<&str>,
+) -> Result<i32, sqlx::Error> {
+    sqlx::query_scalar(AssertSqlSafe(call(
+        schema,
+        "cancel_expectations",
+        "$1, $2",
+    )?))
+    .bind(process_id)
+    .bind(message_type)
+    .fetch_one(conn)
+    .await
+}
+
+/// Move the deadline. `false` means the TimeOut has already fired. The backoff of a
+/// failed publish starts over, since the new deadline is a new intent.
 pub async fn reschedule(
     conn: &mut PgConnection,
     schema: &str,
     id: Uuid,
     timeout_at: DateTime<Utc>,
 ) -> Result<bool, sqlx::Error> {
-    let sql = format!(
-        "UPDATE {} SET timeout_at = $2, retry_at = NULL WHERE id = $1",
-        table(schema)?
-    );
-    let done = sqlx::query(AssertSqlSafe(sql))
-        .bind(id)
-        .bind(timeout_at)
-        .execute(conn)
-        .await?;
-    Ok(done.rows_affected() == 1)
+    sqlx::query_scalar(AssertSqlSafe(call(
+        schema,
+        "reschedule_expectation",
+        "$1, $2",
+    )?))
+    .bind(id)
+    .bind(timeout_at)
+    .fetch_one(conn)
+    .await
+}
+
+/// The transactional outbox (SQL `publish_at_commit`): the message is published as soon
+/// as the transaction commits, never if it rolls back. `properties` as in the SQL API
+/// (`{"content_type": …, "headers": {…}}`); returns its `message_id`.
+pub async fn publish_at_commit(
+    conn: &mut PgConnection,
+    schema: &str,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    properties: &serde_json::Value,
+) -> Result<String, sqlx::Error> {
+    let sql = call(schema, "publish_at_commit", "$1, $2, $3, $4")?;
+    sqlx::query_scalar(AssertSqlSafe(sql))
+        .bind(exchange)
+        .bind(routing_key)
+        .bind(body)
+        .bind(properties)
+        .fetch_one(conn)
+        .await
 }
 
 #[cfg(test)]

@@ -235,6 +235,7 @@ fn delivery_restores_the_message_and_says_how_long_it_was_held() {
         properties: serde_json::to_string(&properties).expect("json"),
         body: Some(vec![0, 159, 146, 150]),
         body_bytes: 4,
+        body_dropped: false,
         attempts: 0,
         created_at,
         due_at: created_at,
@@ -262,6 +263,16 @@ fn delivery_restores_the_message_and_says_how_long_it_was_held() {
         m.properties.header("x-timeoutd-node"),
         Some(&Value::Str(node.to_string()))
     );
+    // One stored without its body (over delay.max_body) is never delivered, whoever
+    // released it.
+    let dropped = DelayedRow {
+        body: Some(Vec::new()),
+        body_bytes: 0,
+        body_dropped: true,
+        ..row
+    };
+    let e = delivery(&dropped, node).expect_err("never delivered");
+    assert!(e.0.contains("without its body"), "{e:?}");
 }
 
 #[test]
@@ -375,6 +386,7 @@ fn our_headers_are_removed_in_any_letter_case() {
         .expect("json"),
         body: Some(Vec::new()),
         body_bytes: 0,
+        body_dropped: false,
         attempts: 0,
         created_at: now(),
         due_at: now(),
