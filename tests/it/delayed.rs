@@ -75,7 +75,7 @@ fn header<'a>(p: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
 
 /// The plugin's way: `x-delay` in milliseconds. The message arrives at the target after
 /// the delay (never before), with its routing key, body bytes, properties and headers
-/// (every AMQP type) as published; `x-delay` is gone, `x-timeoutd-delayed-ms` and
+/// (every AMQP type, the trace context too) as published; `x-delay` is gone, `x-timeoutd-delayed-ms` and
 /// `x-timeoutd-node` are added, `user_id` travels as a header.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn x_delay_arrives_after_the_delay_byte_for_byte() {
@@ -87,6 +87,17 @@ async fn x_delay_arrives_after_the_delay_byte_for_byte() {
     let custom = headers(vec![
         ("x-delay", AMQPValue::LongInt(1500)),
         ("tenant", AMQPValue::LongString(LongString::from("acme"))),
+        // The trace context, as OpenTelemetry's AMQP propagators write it.
+        (
+            "traceparent",
+            AMQPValue::LongString(LongString::from(
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            )),
+        ),
+        (
+            "tracestate",
+            AMQPValue::LongString(LongString::from("vendor=opaque")),
+        ),
         ("n", AMQPValue::LongLongInt(-7)),
         ("f", AMQPValue::Double(0.25)),
         ("flag", AMQPValue::Boolean(true)),
