@@ -271,6 +271,54 @@ async fn release_and_retry_act_only_on_rows_in_their_state() {
     assert_eq!(n, 2);
     assert_eq!(world.count("process_id = 'p-b'").await, 1);
 
+    // Written through the API to the default exchange, straight at a queue: held when
+    // it falls due, never delivered; released, it is judged again and held again.
+    let sneaky: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT {s}.publish_at_commit('', '{}', 'x'::bytea)",
+        timeouts.queue
+    )))
+    .fetch_one(&world.pool)
+    .await
+    .expect("publish_at_commit");
+    let held = format!(
+        "SELECT count(*) FROM {s}.delayed_messages WHERE message_id = '{sneaky}' \
+         AND retry_at = 'infinity'"
+    );
+    let is_held = || async {
+        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(held.clone()))
+            .fetch_one(&world.pool)
+            .await
+            .expect("held")
+            == 1
+    };
+    wait_for_async(PATIENCE, "the message held", is_held).await;
+    let charged =
+        format!("SELECT attempts FROM {s}.delayed_messages WHERE message_id = '{sneaky}'");
+    let attempts = || async {
+        sqlx::query_scalar::<_, i32>(sqlx::AssertSqlSafe(charged.clone()))
+            .fetch_one(&world.pool)
+            .await
+            .expect("attempts")
+    };
+    let before = attempts().await;
+    let owner: String = sqlx::query_scalar("SELECT 'sql:' || session_user")
+        .fetch_one(&world.pool)
+        .await
+        .expect("session_user");
+    assert!(
+        call(format!("SELECT {s}.release_delayed('{sneaky}', '{owner}')"))
+            .await
+            .expect("release")
+    );
+    wait_for_async(PATIENCE, "judged again and held again", || async {
+        attempts().await > before && is_held().await
+    })
+    .await;
+    assert!(
+        !timeouts.counts().contains_key(&sneaky),
+        "a message for the default exchange was delivered"
+    );
+
     // A delayed message held without its body: release refuses it, and it stays held.
     world
         .exec(&format!(
