@@ -395,18 +395,11 @@ async fn store(ctx: &Intake, items: &[Ingest], quota: Quota) -> Result<IngestOut
     }
 }
 
-/// SQLSTATE classes and codes that say the database cannot take anything now, whatever
-/// the message: connection exception (08, PgBouncer's cached login failure too),
-/// transaction rollback (40: serialization, deadlock), insufficient resources (53), lock
-/// not available (55P03), operator intervention (57: statement timeout, shutdown,
-/// cannot connect now), system error (58), read-only transaction (25006: a demoted
-/// primary). Such a refusal is the database being away, retried with the messages
-/// unacknowledged; only another refusal is about the message, to store held.
-const NOT_ABOUT_THE_MESSAGE: [&str; 6] = ["08", "40", "53", "57", "58", "55P03"];
-
+/// Whether the database refused this message as it is: a refusal blamed on the host or
+/// the database being away (`store::Blame`) is retried with the messages
+/// unacknowledged; only one about the statement is stored held.
 fn about_the_message(e: &dyn sqlx::error::DatabaseError) -> bool {
-    e.code()
-        .is_none_or(|c| c != "25006" && !NOT_ABOUT_THE_MESSAGE.iter().any(|p| c.starts_with(p)))
+    crate::store::blame_of(e) == crate::store::Blame::Statement
 }
 
 /// Each message in a transaction of its own; one the database refuses as it is is

@@ -24,6 +24,7 @@ mod expectations;
 mod fence;
 mod hosts;
 mod settle;
+mod sqlstate;
 
 pub use delayed::{
     Bound, DelayedRow, Due, Held, Ingest, IngestOutcome, PendingDelayed, Quota, Stored,
@@ -33,6 +34,7 @@ pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
 pub use fence::session_name;
 use settle::Writes;
 pub use settle::{Deletes, Failure, Fired, Settlement};
+pub(crate) use sqlstate::{Blame, blame_of};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -15,10 +15,6 @@ use sqlx::{ConnectOptions, Connection, PgConnection};
 use super::StoreError;
 use crate::config::{self, TargetSession};
 
-/// SQLSTATEs that say "this server cannot serve us now": read-only transaction, admin
-/// or crash shutdown, cannot connect now (starting, stopping, in recovery).
-const HOST_LOST: [&str; 4] = ["25006", "57P01", "57P02", "57P03"];
-
 pub(super) struct Hosts {
     /// Complete options per host, in the order of `postgres.url`.
     options: Vec<PgConnectOptions>,
@@ -184,9 +180,7 @@ impl Hosts {
             | sqlx::Error::Protocol(_)
             | sqlx::Error::PoolTimedOut
             | sqlx::Error::Configuration(_) => true,
-            sqlx::Error::Database(d) => d
-                .code()
-                .is_some_and(|c| HOST_LOST.contains(&c.as_ref()) || c.starts_with("08")),
+            sqlx::Error::Database(d) => super::blame_of(&**d) == super::Blame::Host,
             _ => false,
         }
     }
