@@ -310,6 +310,13 @@ async fn junk_headers_and_oversized_bodies_are_kept_as_failing() {
             "{row}"
         );
     }
+    // Only the one over delay.max_body lost its body, and says so: the SQL API refuses
+    // to release it.
+    assert_eq!(count(&world, "body_dropped").await, 1);
+    assert_eq!(
+        count(&world, "body_dropped AND message_id = 'too-big'").await,
+        1
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(inbox.len(), 1, "held messages are never delivered");
     node.stop().await;
