@@ -19,12 +19,14 @@ use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
 use crate::config;
 
+mod api;
 mod delayed;
 mod expectations;
 mod fence;
 mod hosts;
 mod settle;
 
+pub use api::Refusal;
 pub use delayed::{
     Bound, DelayedRow, Due, Held, Ingest, IngestOutcome, PendingDelayed, Quota, Stored,
     lock_delayed_sql,
@@ -58,6 +60,9 @@ pub enum StoreError {
          docs/operating/pgbouncer.md)"
     )]
     SessionSettings { search_path: String },
+    /// The database refused an operator's verb (see [`Refusal`]); its message says why.
+    #[error("refused by the database")]
+    Refused(Refusal, #[source] sqlx::Error),
     #[error("no statements for table {0}")]
     UnknownTable(&'static str),
 }
@@ -223,6 +228,7 @@ pub struct Probe {
 
 #[derive(Debug, Clone)]
 struct Sql {
+    api: api::Statements,
     expectations: expectations::Statements,
     delayed: delayed::Statements,
     writes: Vec<settle::Writes>,
@@ -231,6 +237,7 @@ struct Sql {
 impl Sql {
     fn new(schema: &str) -> Self {
         Self {
+            api: api::Statements::new(schema),
             expectations: expectations::Statements::new(schema),
             delayed: delayed::Statements::new(schema),
             writes: TABLES
