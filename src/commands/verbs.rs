@@ -132,32 +132,29 @@ pub async fn cancel(settings: &Settings, args: CancelArgs) -> anyhow::Result<Exi
     let store = Store::connect(&settings.postgres)?;
     let outcome = match &args.process_id {
         Some(process_id) => cancel_process(&store, process_id, args.message_type.as_deref()).await,
-        None => match target(args.target.target()) {
-            Ok(t) => {
-                let answer = match &t {
-                    Target::Expectation(id) => store.cancel_expectation(*id).await,
-                    Target::Delayed { message_id, owner } => {
-                        store.cancel_delayed(message_id, Some(owner)).await
-                    }
-                };
-                let gone = match t {
-                    Target::Expectation(_) => "already fired",
-                    Target::Delayed { .. } => "already delivered",
-                };
-                let what = named(&t);
-                Outcome::of("cancel", &t).answer(answer, |done, _| match done {
-                    true => (true, format!("cancelled {what}")),
-                    false => (
-                        false,
-                        format!("not pending: {what} ({gone}, cancelled, or unknown)"),
-                    ),
-                })
-            }
-            Err(e) => Err(e),
-        },
+        None => cancel_one(&store, args.target.target()).await,
     };
     store.close().await;
     outcome?.print(args.json)
+}
+
+async fn cancel_one(store: &Store, t: Option<Target>) -> anyhow::Result<Outcome> {
+    let t = target(t)?;
+    let (answer, gone) = match &t {
+        Target::Expectation(id) => (store.cancel_expectation(*id).await, "already fired"),
+        Target::Delayed { message_id, owner } => (
+            store.cancel_delayed(message_id, Some(owner)).await,
+            "already delivered",
+        ),
+    };
+    let what = named(&t);
+    Outcome::of("cancel", &t).answer(answer, |done, _| match done {
+        true => (true, format!("cancelled {what}")),
+        false => (
+            false,
+            format!("not pending: {what} ({gone}, cancelled, or unknown)"),
+        ),
+    })
 }
 
 async fn cancel_process(
