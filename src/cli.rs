@@ -216,7 +216,7 @@ pub struct PendingArgs {
     /// JSON instead of text.
     #[arg(long)]
     pub json: bool,
-    /// At most this many rows with --list/--failing.
+    /// At most this many rows of each kind when listing.
     #[arg(long, default_value_t = 100)]
     pub limit: i64,
 }
