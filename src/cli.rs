@@ -4,7 +4,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+use uuid::Uuid;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -26,9 +27,9 @@ pub enum Command {
     /// Join the group and fire TimeOuts while active, until SIGTERM/SIGINT.
     Run,
     /// Create the schema and apply the embedded migrations, then exit.
-    Migrate,
+    Migrate(JsonArgs),
     /// Validate the configuration and print it with secrets redacted.
-    CheckConfig,
+    CheckConfig(JsonArgs),
     /// Register one expectation (for trying things out and for scripts).
     Expect(ExpectArgs),
     /// Watch the group: who is there, who is active, last seen, announcement lag (exit 6
@@ -36,19 +37,107 @@ pub enum Command {
     Members(MembersArgs),
     /// Count and peek at expectations and delayed messages (never changes them).
     Pending(PendingArgs),
-    /// Cancel a pending delayed message by its owner and message_id (exit 4: not pending).
+    /// Cancel a pending expectation (by id, or every one of a process) or delayed message
+    /// (exit 4: not pending).
     Cancel(CancelArgs),
+    /// Move the deadline of a pending expectation or delayed message (exit 4: not
+    /// pending).
+    Reschedule(RescheduleArgs),
+    /// Fire a parked expectation, or judge a held delayed message again and deliver it,
+    /// now (exit 4: not parked or held; 7: a message stored without its body).
+    Release(VerbArgs),
+    /// Try now what waits for its next attempt after a failed publish (exit 4: not
+    /// waiting for a retry).
+    Retry(VerbArgs),
+}
+
+/// Just `--json`.
+#[derive(Debug, Args)]
+pub struct JsonArgs {
+    /// One JSON document on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Which row a verb acts on: an expectation by its id, or a delayed message by its
+/// message_id and owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Expectation(Uuid),
+    Delayed { message_id: String, owner: String },
+}
+
+/// The row a verb acts on, as given on the command line (one of `--id`,
+/// `--message-id`: see the commands' argument groups).
+#[derive(Debug, Args)]
+pub struct TargetArgs {
+    /// The expectation's id (as `expect` printed it; its TimeOut's message_id).
+    #[arg(long)]
+    pub id: Option<Uuid>,
+    /// The delayed message's message_id (as published, or given at ingest).
+    #[arg(long)]
+    pub message_id: Option<String>,
+    /// With --message-id: its owner, the AMQP user_id it was published with ("" =
+    /// anonymous, published without one; sql:ROLE for one the SQL API stored).
+    #[arg(long, default_value = "", requires = "message_id")]
+    pub owner: String,
+}
+
+impl TargetArgs {
+    /// `None` when neither `--id` nor `--message-id` was given.
+    pub fn target(&self) -> Option<Target> {
+        match (&self.id, &self.message_id) {
+            (Some(id), _) => Some(Target::Expectation(*id)),
+            (None, Some(m)) => Some(Target::Delayed {
+                message_id: m.clone(),
+                owner: self.owner.clone(),
+            }),
+            (None, None) => None,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
-pub struct CancelArgs {
-    /// The message_id the delayed message was published with (or was given at ingest).
+#[command(group(ArgGroup::new("target").required(true).args(["id", "message_id"])))]
+pub struct VerbArgs {
+    #[command(flatten)]
+    pub target: TargetArgs,
+    /// One JSON document on stdout instead of text.
     #[arg(long)]
-    pub message_id: String,
-    /// Its owner: the AMQP user_id it was published with ("" = anonymous, published
-    /// without one).
-    #[arg(long, default_value = "")]
-    pub owner: String,
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("target").required(true).args(["id", "process_id", "message_id"])))]
+pub struct CancelArgs {
+    #[command(flatten)]
+    pub target: TargetArgs,
+    /// Every pending expectation of this process instance.
+    #[arg(long)]
+    pub process_id: Option<String>,
+    /// With --process-id: only its expectations of this message type.
+    #[arg(long, requires = "process_id")]
+    pub message_type: Option<String>,
+    /// One JSON document on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("target").required(true).args(["id", "message_id"])))]
+#[command(group(ArgGroup::new("when").required(true).args(["in_", "at"])))]
+pub struct RescheduleArgs {
+    #[command(flatten)]
+    pub target: TargetArgs,
+    /// The new deadline relative to the database's clock, e.g. 5s, 2m.
+    #[arg(long = "in", value_parser = humantime::parse_duration)]
+    pub in_: Option<Duration>,
+    /// The new deadline, RFC 3339 (e.g. 2030-01-01T12:00:00Z).
+    #[arg(long)]
+    pub at: Option<DateTime<Utc>>,
+    /// One JSON document on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -74,6 +163,9 @@ pub struct ExpectArgs {
     /// JSON context echoed back in the TimeOut.
     #[arg(long, value_parser = parse_json)]
     pub payload: Option<serde_json::Value>,
+    /// One JSON document on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -86,18 +178,45 @@ pub struct MembersArgs {
     pub json: bool,
 }
 
+/// A kind of pending row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Kind {
+    Expectation,
+    Delayed,
+}
+
 #[derive(Debug, Args)]
 pub struct PendingArgs {
-    /// List the pending rows, earliest deadline first.
-    #[arg(long, conflicts_with = "failing")]
+    /// List the pending rows, earliest deadline first (any filter below lists too).
+    #[arg(long)]
     pub list: bool,
-    /// List the rows whose publish failed (attempts > 0), with their last error.
+    /// List the rows whose publish failed (attempts > 0; held and parked ones included),
+    /// with their last error.
     #[arg(long)]
     pub failing: bool,
+    /// List only parked expectations and held delayed messages (waiting for an
+    /// operator: `release` or `cancel`).
+    #[arg(long)]
+    pub held: bool,
+    /// List only rows of this kind.
+    #[arg(long, value_enum)]
+    pub kind: Option<Kind>,
+    /// List only expectations of this process instance.
+    #[arg(long, conflicts_with_all = ["owner", "message_id"])]
+    pub process_id: Option<String>,
+    /// List only expectations of this message type.
+    #[arg(long, conflicts_with_all = ["owner", "message_id"])]
+    pub message_type: Option<String>,
+    /// List only delayed messages of this owner ("" = anonymous).
+    #[arg(long)]
+    pub owner: Option<String>,
+    /// List only delayed messages with this message_id.
+    #[arg(long)]
+    pub message_id: Option<String>,
     /// JSON instead of text.
     #[arg(long)]
     pub json: bool,
-    /// At most this many rows with --list/--failing.
+    /// At most this many rows of each kind when listing.
     #[arg(long, default_value_t = 100)]
     pub limit: i64,
 }

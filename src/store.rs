@@ -19,6 +19,7 @@ use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
 use crate::config;
 
+mod api;
 mod delayed;
 mod expectations;
 mod fence;
@@ -26,6 +27,7 @@ mod hosts;
 mod settle;
 mod sqlstate;
 
+pub use api::Refusal;
 pub use delayed::{
     Bound, DelayedRow, Due, Held, Ingest, IngestOutcome, PendingDelayed, Quota, Stored,
     lock_delayed_sql,
@@ -60,6 +62,9 @@ pub enum StoreError {
          docs/operating/pgbouncer.md)"
     )]
     SessionSettings { search_path: String },
+    /// The database refused an operator's verb (see [`Refusal`]); its message says why.
+    #[error("refused by the database")]
+    Refused(Refusal, #[source] sqlx::Error),
     #[error("no statements for table {0}")]
     UnknownTable(&'static str),
 }
@@ -225,6 +230,7 @@ pub struct Probe {
 
 #[derive(Debug, Clone)]
 struct Sql {
+    api: api::Statements,
     expectations: expectations::Statements,
     delayed: delayed::Statements,
     writes: Vec<settle::Writes>,
@@ -233,6 +239,7 @@ struct Sql {
 impl Sql {
     fn new(schema: &str) -> Self {
         Self {
+            api: api::Statements::new(schema),
             expectations: expectations::Statements::new(schema),
             delayed: delayed::Statements::new(schema),
             writes: TABLES

@@ -4,6 +4,7 @@ mod hint;
 mod members;
 mod pending;
 mod run;
+mod verbs;
 
 use std::process::ExitCode;
 
@@ -19,8 +20,10 @@ use crate::telemetry::{self, Chain, Shown, Spelling, escape};
 pub const EXIT_CONFIG: u8 = 2;
 /// Exit code when the node lagged for too long and wants to be restarted.
 pub const EXIT_LAGGING: u8 = 3;
-/// Exit code of `cancel` when no such delayed message is pending (already delivered,
-/// cancelled before, or never stored).
+/// Exit code of a verb (`cancel`, `reschedule`, `release`, `retry`) when the row is not
+/// in the state the verb needs: not pending (already fired or delivered, cancelled
+/// before, or never stored), and for `release` not parked or held, for `retry` not
+/// waiting for a retry.
 pub const EXIT_NOT_PENDING: u8 = 4;
 /// Exit code of `run` when the stop gave up on something it waits for (a batch in flight,
 /// the `leaving` announcement, closing a connection) because a peer did not answer in time.
@@ -28,9 +31,13 @@ pub const EXIT_ABANDONED: u8 = 5;
 /// Exit code of `members --once` when no member answered (none running in the group,
 /// or they cannot be heard: another vhost, exchange or group name).
 pub const EXIT_NOBODY: u8 = 6;
+/// Exit code of a verb the database refused: `release` of a delayed message stored
+/// without its body (it can only be cancelled), or a role that may not call the SQL API
+/// functions or act on another owner's delayed messages.
+pub const EXIT_REFUSED: u8 = 7;
 
 /// Every exit code and what it means, as `timeoutd --help` shows them.
-pub const EXIT_CODES: [(u8, &str); 7] = [
+pub const EXIT_CODES: [(u8, &str); 8] = [
     (0, "done; `run`: stopped on SIGTERM/SIGINT"),
     (
         1,
@@ -46,13 +53,19 @@ pub const EXIT_CODES: [(u8, &str); 7] = [
     ),
     (
         EXIT_NOT_PENDING,
-        "`cancel`: no such delayed message is pending",
+        "`cancel`, `reschedule`: not pending; `release`: not parked or held; `retry`: not \
+         waiting for a retry",
     ),
     (
         EXIT_ABANDONED,
         "`run`: the stop gave up on what a peer did not answer within shutdown.grace",
     ),
     (EXIT_NOBODY, "`members --once`: no member answered"),
+    (
+        EXIT_REFUSED,
+        "`cancel`, `reschedule`, `release`, `retry`: refused by the database (a message \
+         stored without its body; a role without the right)",
+    ),
 ];
 
 /// The exit codes as help text.
@@ -73,12 +86,15 @@ pub async fn dispatch(cli: Cli) -> ExitCode {
     telemetry::init(settings.log.format, daemon);
     let result = match cli.command {
         Command::Run => run::run(settings.clone()).await,
-        Command::Migrate => migrate(&settings).await,
-        Command::CheckConfig => check_config(&settings),
+        Command::Migrate(args) => migrate(&settings, args.json).await,
+        Command::CheckConfig(args) => check_config(&settings, args.json),
         Command::Expect(args) => expect(&settings, args).await,
         Command::Members(args) => members::members(&settings, args).await,
         Command::Pending(args) => pending::pending(&settings, args).await,
-        Command::Cancel(args) => cancel(&settings, &args.owner, &args.message_id).await,
+        Command::Cancel(args) => verbs::cancel(&settings, args).await,
+        Command::Reschedule(args) => verbs::reschedule(&settings, args).await,
+        Command::Release(args) => verbs::release(&settings, args).await,
+        Command::Retry(args) => verbs::retry(&settings, args).await,
     };
     match result {
         Ok(code) => code,
@@ -111,35 +127,32 @@ fn config_error(e: &ConfigError) -> ExitCode {
     ExitCode::from(EXIT_CONFIG)
 }
 
-async fn cancel(settings: &Settings, owner: &str, message_id: &str) -> anyhow::Result<ExitCode> {
-    let store = Store::connect(&settings.postgres)?;
-    let cancelled = store
-        .cancel_delayed(owner, message_id)
-        .await
-        .context("cancelling the delayed message")?;
-    store.close().await;
-    if cancelled {
-        println!("cancelled {message_id:?} of owner {owner:?}");
-        Ok(ExitCode::SUCCESS)
-    } else {
-        println!(
-            "not pending: {message_id:?} of owner {owner:?} (already delivered, cancelled, \
-             or unknown)"
-        );
-        Ok(ExitCode::from(EXIT_NOT_PENDING))
-    }
+/// Print one JSON document on stdout, row data escaped (see `telemetry::Spelling`): what
+/// every command's `--json` prints.
+pub(crate) fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
+    let json = serde_json::to_string_pretty(value).context("printing JSON")?;
+    println!("{}", escape(&json, Spelling::Unicode));
+    Ok(())
 }
 
-async fn migrate(settings: &Settings) -> anyhow::Result<ExitCode> {
+async fn migrate(settings: &Settings, json: bool) -> anyhow::Result<ExitCode> {
     let store = Store::connect(&settings.postgres)?;
     store.migrate().await.context("applying migrations")?;
-    println!("migrations applied to schema {}", store.schema());
+    if json {
+        print_json(&serde_json::json!({ "migrated": true, "schema": store.schema() }))?;
+    } else {
+        println!("migrations applied to schema {}", store.schema());
+    }
     store.close().await;
     Ok(ExitCode::SUCCESS)
 }
 
-fn check_config(settings: &Settings) -> anyhow::Result<ExitCode> {
+fn check_config(settings: &Settings, json: bool) -> anyhow::Result<ExitCode> {
     // Passwords are redacted by the URL type itself.
+    if json {
+        print_json(&serde_json::json!({ "valid": true, "settings": settings }))?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let shown = toml::to_string(settings).context("printing the settings as TOML")?;
     println!(
         "# configuration is valid\n{}",
@@ -168,7 +181,11 @@ async fn expect(settings: &Settings, args: ExpectArgs) -> anyhow::Result<ExitCod
     let id = client::expect(&mut conn, store.schema(), &e)
         .await
         .context("inserting the expectation")?;
-    println!("{id} due at {}", e.timeout_at.to_rfc3339());
+    if args.json {
+        print_json(&serde_json::json!({ "id": id, "timeout_at": e.timeout_at.to_rfc3339() }))?;
+    } else {
+        println!("{id} due at {}", e.timeout_at.to_rfc3339());
+    }
     drop(conn);
     store.close().await;
     Ok(ExitCode::SUCCESS)

@@ -4,10 +4,28 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
-use crate::cli::PendingArgs;
+use super::print_json;
+use crate::cli::{Kind, PendingArgs};
 use crate::config::Settings;
-use crate::store::{DELAYED, PendingDelayed, PendingFilter, PendingRow, Store};
-use crate::telemetry::{Shown, Spelling, escape};
+use crate::store::{DELAYED, EXPECTATIONS, PendingDelayed, PendingFilter, PendingRow, Store};
+use crate::telemetry::Shown;
+
+/// The rows `args` asks to list (`None`: counts only). Any filter lists.
+fn filter(args: &PendingArgs) -> Option<PendingFilter> {
+    let filter = PendingFilter {
+        kind: args.kind.map(|k| match k {
+            Kind::Expectation => EXPECTATIONS,
+            Kind::Delayed => DELAYED,
+        }),
+        process_id: args.process_id.clone(),
+        message_type: args.message_type.clone(),
+        owner: args.owner.clone(),
+        message_id: args.message_id.clone(),
+        failing: args.failing,
+        held: args.held,
+    };
+    (args.list || filter != PendingFilter::default()).then_some(filter)
+}
 
 pub async fn pending(settings: &Settings, args: PendingArgs) -> anyhow::Result<ExitCode> {
     let store = Store::connect(&settings.postgres)?;
@@ -20,12 +38,8 @@ pub async fn pending(settings: &Settings, args: PendingArgs) -> anyhow::Result<E
         .counts(DELAYED, late)
         .await
         .context("counting delayed messages")?;
-    let filter = match (args.list, args.failing) {
-        (_, true) => Some(PendingFilter::Failing),
-        (true, _) => Some(PendingFilter::All),
-        _ => None,
-    };
-    let (rows, delayed_rows) = match filter {
+    let filter = filter(&args);
+    let (rows, delayed_rows) = match &filter {
         Some(f) => (
             store
                 .list(f, args.limit)
@@ -42,11 +56,10 @@ pub async fn pending(settings: &Settings, args: PendingArgs) -> anyhow::Result<E
     if args.json {
         let out = serde_json::json!({
             "counts": counts,
-            "rows": filter.map(|_| &rows),
-            "delayed": { "counts": delayed, "rows": filter.map(|_| &delayed_rows) },
+            "rows": filter.as_ref().map(|_| &rows),
+            "delayed": { "counts": delayed, "rows": filter.as_ref().map(|_| &delayed_rows) },
         });
-        let json = serde_json::to_string_pretty(&out)?;
-        println!("{}", escape(&json, Spelling::Unicode));
+        print_json(&out)?;
     } else {
         for (kind, c) in [("expectations", counts), ("delayed     ", delayed)] {
             println!(

@@ -252,11 +252,9 @@ pub(super) struct Statements {
     fold: Arc<str>,
     insert: Arc<str>,
     cancel_remembered: Arc<str>,
-    cancel: Arc<str>,
     lock_due: Arc<str>,
     body: Arc<str>,
-    list_all: Arc<str>,
-    list_failing: Arc<str>,
+    list: Arc<str>,
 }
 
 impl Statements {
@@ -351,12 +349,14 @@ impl Statements {
                  SELECT count(*) FROM deleted"
             )
             .into(),
-            cancel: format!("DELETE FROM {t} WHERE owner = $1 AND message_id = $2").into(),
             lock_due: lock_delayed_sql(&t).into(),
             body: format!("SELECT body FROM {t} WHERE id = $1").into(),
-            list_all: format!("SELECT {cols} FROM {t} AS m ORDER BY m.deliver_at LIMIT $1").into(),
-            list_failing: format!(
-                "SELECT {cols} FROM {t} AS m WHERE m.attempts > 0 ORDER BY m.deliver_at LIMIT $1"
+            // Binds: see `PendingFilter`; a NULL or false one does not narrow.
+            list: format!(
+                "SELECT {cols} FROM {t} AS m WHERE ($2::text IS NULL OR m.owner = $2) \
+                 AND ($3::text IS NULL OR m.message_id = $3) \
+                 AND (NOT $4 OR m.attempts > 0) AND (NOT $5 OR m.retry_at = 'infinity') \
+                 ORDER BY m.deliver_at LIMIT $1"
             )
             .into(),
         }
@@ -576,28 +576,20 @@ impl Store {
     /// Peek at delayed messages, earliest due first; never changes them.
     pub async fn list_delayed(
         &self,
-        filter: PendingFilter,
+        filter: &PendingFilter,
         limit: i64,
     ) -> Result<Vec<PendingDelayed>, StoreError> {
-        let sql = match filter {
-            PendingFilter::All => &self.sql.delayed.list_all,
-            PendingFilter::Failing => &self.sql.delayed.list_failing,
-        };
-        Ok(sqlx::query_as(safe(sql))
+        if !filter.admits(DELAYED) {
+            return Ok(Vec::new());
+        }
+        Ok(sqlx::query_as(safe(&self.sql.delayed.list))
             .bind(limit)
+            .bind(&filter.owner)
+            .bind(&filter.message_id)
+            .bind(filter.failing)
+            .bind(filter.held)
             .fetch_all(&self.pool)
             .await?)
-    }
-
-    /// Cancel one pending delayed message of `owner` (`""`: anonymous): `true` when it
-    /// was still pending.
-    pub async fn cancel_delayed(&self, owner: &str, message_id: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query(safe(&self.sql.delayed.cancel))
-            .bind(owner)
-            .bind(message_id)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected() > 0)
     }
 
     /// Lock up to `limit` due delayed messages, as [`Store::lock_due`] does for

@@ -9,7 +9,9 @@ use serde::Serialize;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{EXPECTATIONS, PendingCounts, Store, StoreError, Window, lock_rows, safe};
+use super::{
+    DELAYED, EXPECTATIONS, PendingCounts, Store, StoreError, Table, Window, lock_rows, safe,
+};
 
 /// One due row, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -66,10 +68,44 @@ pub struct PendingRow {
     pub parked: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PendingFilter {
-    All,
-    Failing,
+/// Which rows `timeoutd pending` lists: each field set narrows it (default: all). A
+/// field of one kind (a process id, an owner) leaves out every row of the other kind.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PendingFilter {
+    /// Rows of this kind only ([`EXPECTATIONS`] or [`DELAYED`]).
+    pub kind: Option<Table>,
+    pub process_id: Option<String>,
+    pub message_type: Option<String>,
+    pub owner: Option<String>,
+    pub message_id: Option<String>,
+    /// Whose publish failed at least once (`attempts > 0`): held and parked rows
+    /// included, as in the `failing` count.
+    pub failing: bool,
+    /// Held delayed messages and parked expectations only: those waiting for an
+    /// operator (`retry_at = 'infinity'`).
+    pub held: bool,
+}
+
+impl PendingFilter {
+    /// Every row whose publish failed (`pending --failing`).
+    pub fn failing() -> Self {
+        Self {
+            failing: true,
+            ..Self::default()
+        }
+    }
+
+    /// Whether it can match rows of `table` at all.
+    pub(super) fn admits(&self, table: Table) -> bool {
+        let of_expectations = self.process_id.is_some() || self.message_type.is_some();
+        let of_delayed = self.owner.is_some() || self.message_id.is_some();
+        let of_other = if table == DELAYED {
+            of_expectations
+        } else {
+            of_delayed
+        };
+        !of_other && self.kind.is_none_or(|k| k == table)
+    }
 }
 
 /// The statement that finds and locks due rows, for `table` (binds: see `lock_rows`).
@@ -103,8 +139,7 @@ pub fn lock_due_sql(table: &str) -> String {
 pub(super) struct Statements {
     lock_due: Arc<str>,
     payload: Arc<str>,
-    list_all: Arc<str>,
-    list_failing: Arc<str>,
+    list: Arc<str>,
 }
 
 impl Statements {
@@ -126,9 +161,12 @@ impl Statements {
                  FROM (SELECT payload::text FROM {t} WHERE id = $1 OFFSET 0) AS s(p)"
             )
             .into(),
-            list_all: format!("SELECT {cols} FROM {t} AS m ORDER BY m.timeout_at LIMIT $1").into(),
-            list_failing: format!(
-                "SELECT {cols} FROM {t} AS m WHERE m.attempts > 0 ORDER BY m.timeout_at LIMIT $1"
+            // Binds: see `PendingFilter`; a NULL or false one does not narrow.
+            list: format!(
+                "SELECT {cols} FROM {t} AS m WHERE ($2::text IS NULL OR m.process_id = $2) \
+                 AND ($3::text IS NULL OR m.message_type = $3) \
+                 AND (NOT $4 OR m.attempts > 0) AND (NOT $5 OR m.retry_at = 'infinity') \
+                 ORDER BY m.timeout_at LIMIT $1"
             )
             .into(),
         }
@@ -187,15 +225,18 @@ impl Store {
     /// Peek at rows, earliest deadline first; never changes them.
     pub async fn list(
         &self,
-        filter: PendingFilter,
+        filter: &PendingFilter,
         limit: i64,
     ) -> Result<Vec<PendingRow>, StoreError> {
-        let sql = match filter {
-            PendingFilter::All => &self.sql.expectations.list_all,
-            PendingFilter::Failing => &self.sql.expectations.list_failing,
-        };
-        Ok(sqlx::query_as(safe(sql))
+        if !filter.admits(EXPECTATIONS) {
+            return Ok(Vec::new());
+        }
+        Ok(sqlx::query_as(safe(&self.sql.expectations.list))
             .bind(limit)
+            .bind(&filter.process_id)
+            .bind(&filter.message_type)
+            .bind(filter.failing)
+            .bind(filter.held)
             .fetch_all(&self.pool)
             .await?)
     }

@@ -760,7 +760,7 @@ async fn run_case(seed: u64, rows: usize, durable: bool, faulty: bool) {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let failing = Store::connect(&case.world.settings().postgres).expect("store");
     let listed = failing
-        .list(PendingFilter::Failing, 100_000)
+        .list(&PendingFilter::failing(), 100_000)
         .await
         .expect("list failing");
     failing.close().await;

@@ -258,7 +258,7 @@ fn raw_controls(text: &str) -> Vec<char> {
 /// return that overwrites the line, a bell, a right-to-left override, a C1 CSI.
 const NASTY: &str = "a\u{1b}[31mRED\r\u{7}\u{202e}exe.txt\u{9b}2J";
 
-/// Contract section 8: `pending` (text and JSON), `cancel` and `check-config` show row
+/// Contract section 8: `pending` (text and JSON), the verbs and `check-config` show row
 /// and configuration data with every such character escaped, and still the same value
 /// to a JSON reader.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -281,11 +281,17 @@ async fn operator_output_escapes_control_characters_from_rows() {
     let other = format!("{NASTY}-not-stored");
     /// A command line and its extra environment.
     type Run<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
-    let runs: [Run; 5] = [
+    let runs: [Run; 11] = [
         (&["pending", "--list"], &[]),
         (&["pending", "--failing"], &[]),
+        (&["pending", "--held", "--message-id", NASTY], &[]),
         (&["pending", "--list", "--json"], &[]),
         (&["cancel", "--message-id", &other], &[]),
+        (&["cancel", "--message-id", &other, "--json"], &[]),
+        (&["cancel", "--process-id", &other], &[]),
+        (&["reschedule", "--message-id", &other, "--in", "1m"], &[]),
+        (&["release", "--message-id", &other, "--owner", NASTY], &[]),
+        (&["retry", "--message-id", &other, "--json"], &[]),
         (
             &["check-config"],
             &[("TIMEOUTD__DELAY__TARGET_EXCHANGE", NASTY)],
@@ -456,13 +462,15 @@ fn starts_with_a_bare_level(line: &str) -> bool {
 }
 
 /// A command that fails prints its error once, each cause once, and a hint for the
-/// common mistake: here, a schema nobody migrated. It logs nothing besides.
+/// common mistake: here, a schema nobody migrated (also for the verbs). It logs nothing besides.
 #[tokio::test]
 async fn an_error_is_printed_once_with_each_cause_once_and_a_hint() {
     let world = World::new().await;
     for args in [
         &["pending"][..],
         &["pending", "--list", "--json"],
+        &["cancel", "--process-id", "p"],
+        &["release", "--message-id", "m", "--json"],
         &[
             "expect",
             "--process-id",
@@ -481,7 +489,12 @@ async fn an_error_is_printed_once_with_each_cause_once_and_a_hint() {
         let (error, hint) = (lines[0], lines[1]);
         assert!(error.starts_with("error: "), "{error}");
         assert_eq!(error.matches("does not exist").count(), 1, "{error}");
-        assert!(error.contains("SQLSTATE 42P01"), "{error}");
+        // A table in a missing schema is 42P01; a function of the SQL API there (what
+        // `expect` calls) is 3F000.
+        assert!(
+            error.contains("SQLSTATE 42P01") || error.contains("SQLSTATE 3F000"),
+            "{error}"
+        );
         assert!(
             !error.contains(" at line "),
             "the Postgres source line: {error}"
@@ -536,4 +549,490 @@ where
     let stdout = stdout.await.expect("stdout reader");
     let stderr = stderr.await.expect("stderr reader");
     (stdout, stderr)
+}
+
+/// `timeoutd ARGS --json`: the exit code and the one JSON document on stdout.
+fn json_run(world: &World, args: &[&str]) -> (Option<i32>, serde_json::Value) {
+    let mut args = args.to_vec();
+    args.push("--json");
+    let out = timeoutd(world, &args, &[]);
+    let doc = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{args:?}: not one JSON document ({e}): {out:?}"));
+    (out.status.code(), doc)
+}
+
+/// `pending` with `filter`, as JSON: the ids (expectations) and message_ids (delayed
+/// messages) it lists.
+fn listed(world: &World, filter: &[&str]) -> (Vec<String>, Vec<String>) {
+    let mut args = vec!["pending"];
+    args.extend_from_slice(filter);
+    let (code, v) = json_run(world, &args);
+    assert_eq!(code, Some(0), "{args:?}: {v}");
+    let ids = |rows: &serde_json::Value, field: &str| -> Vec<String> {
+        rows.as_array()
+            .map(|rows| {
+                rows.iter()
+                    .map(|r| r[field].as_str().unwrap_or_default().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    (
+        ids(&v["rows"], "id"),
+        ids(&v["delayed"]["rows"], "message_id"),
+    )
+}
+
+/// Store a delayed message of `owner` due in an hour, in `state`: `""` pending, `failing`
+/// (a failed publish, retry in an hour), `held`, or `no body` (held, stored without it).
+async fn delayed_row(world: &World, owner: &str, message_id: &str, state: &str) {
+    let (attempts, retry_at, dropped) = match state {
+        "" => (0, "NULL", false),
+        "failing" => (1, "now() + interval '1 hour'", false),
+        "held" => (1, "'infinity'", false),
+        "no body" => (1, "'infinity'", true),
+        other => panic!("no state {other}"),
+    };
+    world
+        .exec(&format!(
+            "INSERT INTO {}.delayed_messages (owner, message_id, deliver_at, exchange, \
+             routing_key, body, attempts, last_error, retry_at, body_dropped) VALUES \
+             ({}, {}, now() + interval '1 hour', 'x', 'k', 'b', {attempts}, \
+             CASE WHEN {attempts} > 0 THEN 'a failure' END, {retry_at}, {dropped})",
+            world.schema,
+            sql_literal(owner),
+            sql_literal(message_id)
+        ))
+        .await;
+}
+
+/// An expectation due in an hour; with `state` `failing` (a failed publish, retry in an
+/// hour) or `parked`.
+async fn expectation_row(
+    world: &World,
+    process_id: &str,
+    message_type: &str,
+    state: &str,
+) -> String {
+    let id = world
+        .expect(
+            &timeoutd::client::Expectation::new(process_id, message_type, "k")
+                .due_in(Duration::from_secs(3600)),
+        )
+        .await;
+    let retry_at = match state {
+        "" => return id.to_string(),
+        "failing" => "now() + interval '1 hour'",
+        "parked" => "'infinity'",
+        other => panic!("no state {other}"),
+    };
+    world
+        .exec(&format!(
+            "UPDATE {}.expected_messages SET attempts = 1, last_error = 'a failure', \
+             retry_at = {retry_at} WHERE id = '{id}'",
+            world.schema
+        ))
+        .await;
+    id.to_string()
+}
+
+/// Every verb on both kinds, through the binary: done (exit 0) then not in the state it
+/// needs (exit 4), each with its JSON document; `pending`'s filters list what they name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_verb_on_both_kinds_says_done_or_exits_4() {
+    let world = World::new().await;
+    world.migrate().await;
+    let plain = expectation_row(&world, "p1", "A", "").await;
+    let other = expectation_row(&world, "p1", "B", "").await;
+    let third = expectation_row(&world, "p2", "A", "").await;
+    let failing = expectation_row(&world, "p3", "A", "failing").await;
+    let parked = expectation_row(&world, "p3", "B", "parked").await;
+    delayed_row(&world, "", "d-plain", "").await;
+    delayed_row(&world, "alice", "d-alice", "").await;
+    delayed_row(&world, "", "d-failing", "failing").await;
+    delayed_row(&world, "", "d-held", "held").await;
+
+    // Filters.
+    let all = listed(&world, &["--list"]);
+    assert_eq!(all.0.len(), 5, "{all:?}");
+    assert_eq!(all.1.len(), 4, "{all:?}");
+    assert_eq!(
+        listed(&world, &["--process-id", "p1"]).0,
+        [&*plain, &*other]
+    );
+    assert_eq!(
+        listed(&world, &["--process-id", "p1"]).1,
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        listed(
+            &world,
+            &["--list", "--process-id", "p1", "--message-type", "B"]
+        )
+        .0,
+        [&*other]
+    );
+    assert_eq!(listed(&world, &["--message-type", "A"]).0.len(), 3);
+    assert_eq!(
+        listed(&world, &["--owner", "alice"]),
+        (vec![], vec!["d-alice".into()])
+    );
+    assert_eq!(listed(&world, &["--message-id", "d-held"]).1, ["d-held"]);
+    assert_eq!(
+        listed(&world, &["--kind", "delayed"]).0,
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        listed(&world, &["--kind", "expectation"]).1,
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        listed(&world, &["--held"]),
+        (vec![parked.clone()], vec!["d-held".into()])
+    );
+    let mut failing_ids = listed(&world, &["--failing"]).0;
+    failing_ids.sort();
+    let mut want = vec![failing.clone(), parked.clone()];
+    want.sort();
+    assert_eq!(failing_ids, want, "--failing: held and parked included");
+    assert_eq!(
+        listed(&world, &["--failing", "--kind", "delayed"]).1,
+        ["d-failing", "d-held"]
+    );
+    let text = timeoutd(&world, &["pending", "--held"], &[]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("PARKED") && text.contains("HELD"), "{text}");
+    assert!(!text.contains("d-plain"), "{text}");
+
+    // Expectations.
+    let (code, v) = json_run(
+        &world,
+        &["reschedule", "--id", &plain, "--at", "2031-01-02T03:04:05Z"],
+    );
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(v["verb"], "reschedule");
+    assert_eq!(v["kind"], "expectation");
+    assert_eq!(v["id"], plain.as_str());
+    assert_eq!(v["done"], true);
+    assert_eq!(v["at"], "2031-01-02T03:04:05+00:00");
+    assert_eq!(
+        world
+            .count(&format!(
+                "id = '{plain}' AND timeout_at = '2031-01-02T03:04:05Z'"
+            ))
+            .await,
+        1
+    );
+    let (code, v) = json_run(&world, &["retry", "--id", &plain]);
+    assert_eq!(
+        (code, &v["done"]),
+        (Some(4), &false.into()),
+        "not failing: {v}"
+    );
+    let (code, v) = json_run(&world, &["release", "--id", &failing]);
+    assert_eq!(
+        (code, &v["done"]),
+        (Some(4), &false.into()),
+        "not parked: {v}"
+    );
+    let (code, v) = json_run(&world, &["retry", "--id", &failing]);
+    assert_eq!((code, &v["done"]), (Some(0), &true.into()), "{v}");
+    assert_eq!(
+        world
+            .count(&format!("id = '{failing}' AND retry_at IS NULL"))
+            .await,
+        1
+    );
+    let (code, v) = json_run(&world, &["retry", "--id", &parked]);
+    assert_eq!(code, Some(4), "parked is not waiting for a retry: {v}");
+    let (code, v) = json_run(&world, &["release", "--id", &parked]);
+    assert_eq!(
+        (code, &v["verb"], &v["done"]),
+        (Some(0), &"release".into(), &true.into()),
+        "{v}"
+    );
+    let (code, _) = json_run(&world, &["release", "--id", &parked]);
+    assert_eq!(code, Some(4), "released once");
+    let (code, v) = json_run(&world, &["cancel", "--id", &third]);
+    assert_eq!((code, &v["done"]), (Some(0), &true.into()), "{v}");
+    let (code, v) = json_run(&world, &["cancel", "--id", &third]);
+    assert_eq!((code, &v["done"]), (Some(4), &false.into()), "{v}");
+    let (code, _) = json_run(&world, &["reschedule", "--id", &third, "--in", "5m"]);
+    assert_eq!(code, Some(4), "cancelled: not pending");
+    let out = timeoutd(&world, &["cancel", "--id", &third], &[]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("not pending: expectation"),
+        "{out:?}"
+    );
+    // By process: of one message type, then all of it.
+    let (code, v) = json_run(
+        &world,
+        &["cancel", "--process-id", "p1", "--message-type", "B"],
+    );
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(v["process_id"], "p1");
+    assert_eq!(v["message_type"], "B");
+    assert_eq!(v["cancelled"], 1);
+    let (code, v) = json_run(&world, &["cancel", "--process-id", "p1"]);
+    assert_eq!(
+        (code, &v["cancelled"], &v["message_type"]),
+        (Some(0), &1.into(), &serde_json::Value::Null),
+        "{v}"
+    );
+    let (code, v) = json_run(&world, &["cancel", "--process-id", "p1"]);
+    assert_eq!(
+        (code, &v["cancelled"], &v["done"]),
+        (Some(4), &0.into(), &false.into()),
+        "{v}"
+    );
+    assert_eq!(world.count("process_id = 'p1'").await, 0);
+
+    // Delayed messages, by owner.
+    let delayed = |filter: &str| {
+        let sql = format!(
+            "SELECT count(*) FROM {}.delayed_messages WHERE {filter}",
+            world.schema
+        );
+        let pool = world.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql))
+                .fetch_one(&pool)
+                .await
+                .expect("count")
+        }
+    };
+    let (code, v) = json_run(
+        &world,
+        &["reschedule", "--message-id", "d-alice", "--in", "2h"],
+    );
+    assert_eq!(code, Some(4), "not the anonymous owner's: {v}");
+    let (code, v) = json_run(
+        &world,
+        &[
+            "reschedule",
+            "--message-id",
+            "d-alice",
+            "--owner",
+            "alice",
+            "--in",
+            "2h",
+        ],
+    );
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(v["kind"], "delayed");
+    assert_eq!(v["message_id"], "d-alice");
+    assert_eq!(v["owner"], "alice");
+    assert!(v["at"].is_string(), "{v}");
+    assert_eq!(
+        delayed("message_id = 'd-alice' AND deliver_at > now() + interval '90 minutes'").await,
+        1
+    );
+    let (code, _) = json_run(&world, &["retry", "--message-id", "d-plain"]);
+    assert_eq!(code, Some(4), "not failing");
+    let (code, _) = json_run(&world, &["retry", "--message-id", "d-failing"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        delayed("message_id = 'd-failing' AND retry_at IS NULL").await,
+        1
+    );
+    let (code, _) = json_run(&world, &["release", "--message-id", "d-plain"]);
+    assert_eq!(code, Some(4), "not held");
+    let (code, _) = json_run(&world, &["release", "--message-id", "d-held"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        delayed("message_id = 'd-held' AND retry_at IS NULL").await,
+        1
+    );
+    let (code, v) = json_run(&world, &["cancel", "--message-id", "d-plain"]);
+    assert_eq!(
+        (code, &v["verb"], &v["owner"], &v["done"]),
+        (Some(0), &"cancel".into(), &"".into(), &true.into()),
+        "{v}"
+    );
+    let again = timeoutd(&world, &["cancel", "--message-id", "d-plain"], &[]);
+    assert_eq!(again.status.code(), Some(4));
+    assert_eq!(
+        String::from_utf8_lossy(&again.stdout).trim(),
+        "not pending: \"d-plain\" of owner \"\" (already delivered, cancelled, or unknown)"
+    );
+    world.cleanup().await;
+}
+
+/// Exit 7: the database refuses to release a held message stored without its body, and a
+/// role without EXECUTE on the SQL API may not act at all; the reason is on stderr, the
+/// JSON document says `refused`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_verbs_exit_7_with_the_reason() {
+    let world = World::new().await;
+    world.migrate().await;
+    delayed_row(&world, "", "no-body", "no body").await;
+    let (code, v) = json_run(&world, &["release", "--message-id", "no-body"]);
+    assert_eq!(code, Some(7), "{v}");
+    assert_eq!(v["done"], false);
+    assert!(
+        v["refused"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("without its body"),
+        "{v}"
+    );
+    let out = timeoutd(&world, &["release", "--message-id", "no-body"], &[]);
+    assert_eq!(out.status.code(), Some(7));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("refused"),
+        "{out:?}"
+    );
+    // A role with the schema but none of the API.
+    let role = format!("td_cli_{}", &world.schema[2..10]);
+    world.exec(&format!("CREATE ROLE {role} LOGIN")).await;
+    world
+        .exec(&format!("GRANT USAGE ON SCHEMA {} TO {role}", world.schema))
+        .await;
+    let mut url = url::Url::parse(&crate::common::pg_url()).expect("pg url");
+    url.set_username(&role).expect("username");
+    let env = [("TIMEOUTD__POSTGRES__URL", url.as_str())];
+    let out = timeoutd(&world, &["cancel", "--message-id", "no-body"], &env);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{out:?}");
+    assert!(
+        err.contains("permission denied") && err.contains("_api"),
+        "{err}"
+    );
+    assert_eq!(
+        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {}.delayed_messages",
+            world.schema
+        )))
+        .fetch_one(&world.pool)
+        .await
+        .expect("count"),
+        1,
+        "nothing cancelled"
+    );
+    world.exec(&format!("DROP OWNED BY {role}")).await;
+    world.exec(&format!("DROP ROLE {role}")).await;
+    world.cleanup().await;
+}
+
+/// With a daemon running: `reschedule` moves a TimeOut (it arrives, not before the new
+/// time), `release` fires a parked expectation again, and `retry` fires a failing one
+/// now once its exchange exists (its own retry time is an hour away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reschedule_release_and_retry_fire_through_the_daemon() {
+    let mut world = World::new().await;
+    world
+        .overrides
+        .push(("TIMEOUTD__SCAN__RETRY_MIN".to_owned(), "1h".to_owned()));
+    world
+        .overrides
+        .push(("TIMEOUTD__SCAN__RETRY_MAX".to_owned(), "1h".to_owned()));
+    world.migrate().await;
+    let inbox = Inbox::new().await;
+    let later = world
+        .expect(
+            &timeoutd::client::Expectation::new("moved", "A", &inbox.queue)
+                .due_in(Duration::from_secs(3600)),
+        )
+        .await
+        .to_string();
+    let parked = world
+        .expect(
+            &timeoutd::client::Expectation::new("parked", "A", &inbox.queue)
+                .due_in(Duration::from_secs(3600)),
+        )
+        .await
+        .to_string();
+    world
+        .exec(&format!(
+            "UPDATE {}.expected_messages SET timeout_at = now() - interval '1 minute', \
+             attempts = 1, last_error = 'could not delete', retry_at = 'infinity' \
+             WHERE id = '{parked}'",
+            world.schema
+        ))
+        .await;
+    let exchange = format!("x-{}", world.group);
+    let failing = world
+        .expect(&timeoutd::client::Expectation::new("failing", "A", "k").exchange(&exchange))
+        .await
+        .to_string();
+    let node = world.start().await;
+    wait_for_async(PATIENCE, "the failing row's first attempt", || async {
+        world
+            .count(&format!("id = '{failing}' AND attempts > 0"))
+            .await
+            == 1
+    })
+    .await;
+
+    let (code, v) = json_run(&world, &["reschedule", "--id", &later, "--in", "2s"]);
+    assert_eq!(code, Some(0), "{v}");
+    let at: chrono::DateTime<chrono::Utc> =
+        v["at"].as_str().and_then(|s| s.parse().ok()).expect("at");
+    let (code, v) = json_run(&world, &["release", "--id", &parked]);
+    assert_eq!(code, Some(0), "{v}");
+    wait_for(PATIENCE, "the moved and the released TimeOuts", || {
+        inbox.counts().get(&later) == Some(&1) && inbox.counts().get(&parked) == Some(&1)
+    })
+    .await;
+    let moved = inbox
+        .all()
+        .into_iter()
+        .find(|r| r.message_id() == later)
+        .expect("moved");
+    assert!(
+        moved.fired_at() >= at,
+        "fired {} before {at}",
+        moved.fired_at()
+    );
+
+    inbox.bind_new_exchange(&exchange, "k").await;
+    let (code, v) = json_run(&world, &["retry", "--id", &failing]);
+    assert_eq!(code, Some(0), "{v}");
+    wait_for(PATIENCE, "the retried TimeOut", || {
+        inbox.counts().get(&failing) == Some(&1)
+    })
+    .await;
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// `--json` of `migrate`, `check-config` and `expect`: one document each, with the fields
+/// docs/operating/running.md names, secrets redacted.
+#[tokio::test]
+async fn migrate_check_config_and_expect_print_one_json_document() {
+    let world = World::new().await;
+    let (code, v) = json_run(&world, &["migrate"]);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(v["migrated"], true);
+    assert_eq!(v["schema"], world.schema.as_str());
+    let secret = "the-group-secret-0123456789";
+    let mut args = vec!["check-config", "--json"];
+    let out = timeoutd(&world, &args, &[("TIMEOUTD__ELECTION__SECRET", secret)]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains(secret), "{text}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one document");
+    assert_eq!(v["valid"], true);
+    assert_eq!(v["settings"]["election"]["group"], world.group.as_str());
+    assert_eq!(v["settings"]["postgres"]["schema"], world.schema.as_str());
+    args.clear();
+    let (code, v) = json_run(
+        &world,
+        &[
+            "expect",
+            "--process-id",
+            "p",
+            "--message-type",
+            "T",
+            "--routing-key",
+            "k",
+            "--at",
+            "2031-01-02T03:04:05Z",
+        ],
+    );
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(v["timeout_at"], "2031-01-02T03:04:05+00:00");
+    let id = v["id"].as_str().expect("id");
+    assert_eq!(world.count(&format!("id = '{id}'")).await, 1);
+    world.cleanup().await;
 }

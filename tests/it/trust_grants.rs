@@ -111,6 +111,23 @@ async fn a_daemon_and_a_process_manager_work_with_the_documented_grants_alone() 
     .await
     .expect("publish_at_commit");
     tx.commit().await.expect("commit");
+    // The operator's command line runs as the daemon's role: with its grants it moves
+    // and cancels the manager's delayed message (owner sql:<manager>).
+    let later: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT {}.schedule_delayed($1, 'k', 'x', now() + interval '1 hour')",
+        world.schema
+    )))
+    .bind(&target)
+    .fetch_one(&mut *conn)
+    .await
+    .expect("schedule_delayed");
+    let owner = format!("sql:{manager}");
+    for verb in [&["reschedule", "--in", "2h"][..], &["cancel"]] {
+        let mut args = verb.to_vec();
+        args.extend(["--message-id", later.as_str(), "--owner", owner.as_str()]);
+        let out = crate::cli::timeoutd(&world, &args, &[]);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
+    }
     // The API and nothing else: the tables are out of the manager's reach.
     for sql in [
         format!("SELECT count(*) FROM {}.expected_messages", world.schema),
