@@ -43,7 +43,7 @@ function check(ok, what) {
 }
 
 function sql(text) {
-  return execFileSync('psql', [PG, '-v', 'ON_ERROR_STOP=1', '-tAqc', text], { encoding: 'utf8' }).trim();
+  return execFileSync('psql', [PG, '-v', 'ON_ERROR_STOP=1', '-tAqc', 'SET client_min_messages = warning; ' + text], { encoding: 'utf8' }).trim();
 }
 
 function startDaemon() {
@@ -55,6 +55,8 @@ function startDaemon() {
     TIMEOUTD__HTTP__LISTEN: '127.0.0.1:0',
     // Nothing durable on the broker: no ingress exchange or queue to clean up.
     TIMEOUTD__DELAY__ENABLED: 'false',
+    // The pending counts of the summary (and the screenshot) within a second.
+    TIMEOUTD__HTTP__PENDING_REFRESH: '500ms',
     TIMEOUTD__CONSOLE__ENABLED: 'true',
     TIMEOUTD__CONSOLE__ADMIN_TOKEN: ADMIN,
     TIMEOUTD__CONSOLE__READ_TOKEN: READ,
@@ -98,6 +100,8 @@ try {
   const base = 'http://' + ready.http_addr;
   const consoleUrl = base + '/console/';
   console.log('timeoutd ' + ready.node_id + ' at ' + base + ', schema ' + schema);
+  // Ready once migrated, connected and settled.
+  await until('the daemon is ready', async () => (await fetch(base + '/readyz')).status === 200);
 
   // The rows, written through the SQL API as a process manager would.
   const expectation = sql(`SELECT ${schema}.expect('order-4711', 'PaymentReceived', 'orders.timeouts', now() + interval '1 hour', '', '{"order": 4711, "note": "<script>alert(1)</script>"}')`);
@@ -159,6 +163,8 @@ try {
   await until('the expectations are listed', async () => (await page.textContent('#rows')).includes('order-4712'));
   await page.click(`#rows tr[data-id="${expectation}"]`);
   await until('the detail is open', async () => (await page.textContent('#detail-title')).includes(expectation));
+  await until('the summary counts the pending expectations', async () =>
+    /expectation\s+[1-9]/.test(await page.innerText('#pending tbody')));
   await page.evaluate(() => window.scrollTo(0, 0));
   if (screenshot) {
     await page.screenshot({ path: screenshot, fullPage: true });
@@ -182,7 +188,7 @@ try {
     try {
       await fetch(url, { method: 'POST', mode: 'no-cors', headers: { 'Content-Type': 'text/plain' }, body });
       out.push('simple: sent (opaque answer)');
-    } catch (e) { out.push('simple: ' + e.message); }
+    } catch (e) { out.push('simple: sent, answer withheld from the page (' + e.message + ')'); }
     try {
       const r = await fetch(url, { method: 'POST', headers: { 'Content-Type': 'application/json', Authorization: 'Bearer ' + token }, body });
       out.push('with token: ' + r.status);
@@ -191,7 +197,9 @@ try {
   }, { url: base + '/console/api/action', body, token: ADMIN });
   console.log('cross-origin attempts: ' + attempts.join('; '));
   check(attempts[1].startsWith('with token: blocked'), 'a cross-origin request with the token is blocked by the browser (no CORS)');
-  await until('the cross-origin POST is counted as refused', async () => (await refusedMetric(base, 'cross_site')) > crossBefore);
+  if (await until('the cross-origin POST is counted as refused', async () => (await refusedMetric(base, 'cross_site')) > crossBefore)) {
+    check(true, 'the cross-origin POST reached the console and was refused (timeoutd_console_refused_total{reason="cross_site"})');
+  }
   check(present(`expected_messages WHERE id = '${expectation}'`), 'after the cross-origin attempts the expectation is still in Postgres');
 
   // The admin token in the console itself: cancelled, gone from Postgres.

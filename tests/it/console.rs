@@ -204,7 +204,7 @@ async fn tokens_open_rows_and_actions_and_nothing_more() {
     let found = call(
         addr,
         "GET",
-        &search,
+        search,
         &[("Authorization", read.as_str())],
         None,
     )
