@@ -174,9 +174,10 @@ pub(crate) fn routes(settings: &Settings, node_id: Uuid, probe: Arc<Probe>) -> R
         quiet: Mutex::new(LogLimiter::new(REFUSALS_LOG_EVERY)),
     });
     Router::new()
+        // Relative, so that it holds behind a proxy serving the console under a prefix.
         .route(
             "/console",
-            get(|| async { Redirect::permanent("/console/") }),
+            get(|| async { Redirect::permanent("console/") }),
         )
         .route(
             "/console/",

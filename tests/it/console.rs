@@ -153,6 +153,11 @@ async fn tokens_open_rows_and_actions_and_nothing_more() {
     let addr = node.http_addr;
     let id = later(&world, "console-tokens").await;
 
+    let bare = call(addr, "GET", "/console", &[], None).await;
+    assert_eq!(
+        (bare.status, bare.headers["location"].as_str()),
+        (308, "console/")
+    );
     let page = call(addr, "GET", "/console/", &[], None).await;
     assert_eq!(page.status, 200);
     assert!(
