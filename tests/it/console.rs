@@ -740,3 +740,100 @@ async fn watch_console_sessions(
     }
     (most, pids.len())
 }
+
+/// The console's one connection: none before a request needs it; one request at a time
+/// on it, the next answered 503 once `console.acquire_timeout` has passed; closed after
+/// `console.idle_timeout` unused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_opened_when_needed_busy_answers_503_closed_when_idle() {
+    if World::through_pooler() {
+        eprintln!("SKIPPED through a pooler: it counts the node's sessions on the server");
+        return;
+    }
+    let mut world = World::new().await;
+    world.overrides = console_env(Some(ADMIN), None);
+    for (k, v) in [
+        ("TIMEOUTD__CONSOLE__ACQUIRE_TIMEOUT", "500ms"),
+        ("TIMEOUTD__CONSOLE__STATEMENT_TIMEOUT", "20s"),
+        ("TIMEOUTD__CONSOLE__IDLE_TIMEOUT", "2s"),
+    ] {
+        world.overrides.push((k.to_owned(), v.to_owned()));
+    }
+    world.migrate().await;
+    let node = world.start().await;
+    let addr = node.http_addr;
+    let name = format!("timeoutd-{}-console", node.node_id);
+    let sessions = || {
+        let (pool, name) = (world.pool.clone(), name.clone());
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            )
+            .bind(name)
+            .fetch_one(&pool)
+            .await
+            .expect("pg_stat_activity")
+        }
+    };
+    let id = later(&world, "console-busy").await;
+    for _ in 0..5 {
+        let s = call(addr, "GET", "/console/api/summary", &[], None).await;
+        assert_eq!(s.status, 200);
+    }
+    assert_eq!(sessions().await, 0, "the summary needs no connection");
+
+    // The test holds the row: the console's cancel waits for it, on its one connection.
+    let mut holder = world.pool.begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {}.expected_messages WHERE id = $1 FOR UPDATE",
+        world.schema
+    )))
+    .bind(id)
+    .execute(&mut *holder)
+    .await
+    .expect("lock the row");
+    let cancel = tokio::spawn(async move {
+        act(
+            addr,
+            Some(ADMIN),
+            &serde_json::json!({"kind": "expectation", "action": "cancel", "id": id}),
+        )
+        .await
+    });
+    wait_for_async(PATIENCE, "the cancel waits for the row", || async {
+        sessions().await == 1
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    let busy = call(
+        addr,
+        "GET",
+        "/console/api/rows?kind=expectation&state=pending",
+        &[("Authorization", &bearer(ADMIN))],
+        None,
+    )
+    .await;
+    assert_eq!(busy.status, 503, "{}", busy.body);
+    assert!(
+        asked.elapsed() >= Duration::from_millis(500),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert_eq!(sessions().await, 1, "never a second connection");
+    holder.rollback().await.expect("release the row");
+    let cancelled = cancel.await.expect("the cancel");
+    assert_eq!(cancelled.body, "{\"done\":true}");
+    assert_eq!(world.count(&format!("id = '{id}'")).await, 0);
+    let text = get(addr, "/metrics").await.1;
+    let series = format!(
+        "timeoutd_console_refused_total{{group=\"{}\",reason=\"busy\"}}",
+        world.group
+    );
+    assert_eq!(metric(&text, &series), Some(1.0), "{text}");
+    wait_for_async(PATIENCE, "the idle connection closed", || async {
+        sessions().await == 0
+    })
+    .await;
+    node.stop().await;
+    world.cleanup().await;
+}
