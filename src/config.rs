@@ -57,6 +57,31 @@ pub struct Settings {
     pub backoff: Backoff,
     pub shutdown: Shutdown,
     pub delay: Delay,
+    pub console: Console,
+}
+
+/// The web console on `http.listen` under `/console` (docs/operating/console.md).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Console {
+    /// Off by default: `/console` answers 404.
+    pub enabled: bool,
+    /// Needed for every action (cancel, release, retry, reschedule) and enough to read
+    /// rows; empty: the console takes no action.
+    pub admin_token: Secret,
+    /// Enough to read rows (failing, held, search, a row's detail); empty: only the
+    /// admin token reads them.
+    pub read_token: Secret,
+    /// The server's bound on each of the console's statements.
+    #[serde(with = "humantime_serde")]
+    pub statement_timeout: Duration,
+    /// How long a request waits for the console's one connection (or for it to
+    /// connect); then it is answered 503.
+    #[serde(with = "humantime_serde")]
+    pub acquire_timeout: Duration,
+    /// The console's connection is closed after this long unused.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
 }
 
 /// Delayed messages (contract section 7).
@@ -453,8 +478,45 @@ impl Settings {
             ));
         }
         self.validate_delay()?;
+        self.validate_console()?;
         check_ca_file("amqp.ca_file", self.amqp.ca_file.as_deref())?;
         check_ca_file("postgres.ca_file", self.postgres.ca_file.as_deref())?;
+        Ok(())
+    }
+
+    fn validate_console(&self) -> Result<(), ConfigError> {
+        let c = &self.console;
+        for (key, token) in [
+            ("console.admin_token", &c.admin_token),
+            ("console.read_token", &c.read_token),
+        ] {
+            if token.is_set() && token.expose().len() < MIN_SECRET {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("must be at least {MIN_SECRET} bytes (or empty: not set)"),
+                ));
+            }
+        }
+        if c.read_token.is_set() && c.read_token.expose() == c.admin_token.expose() {
+            return Err(ConfigError::invalid(
+                "console.read_token",
+                "must differ from console.admin_token",
+            ));
+        }
+        for (key, d) in [
+            ("console.statement_timeout", c.statement_timeout),
+            ("console.acquire_timeout", c.acquire_timeout),
+        ] {
+            if !(Duration::from_millis(100)..=MAX_CONSOLE_WAIT).contains(&d) {
+                return Err(ConfigError::invalid(key, "must be 100ms to 1m"));
+            }
+        }
+        if !(Duration::from_secs(1)..=MAX_CONNECTION_LIFETIME).contains(&c.idle_timeout) {
+            return Err(ConfigError::invalid(
+                "console.idle_timeout",
+                "must be 1s to 1h",
+            ));
+        }
         Ok(())
     }
 
@@ -823,6 +885,9 @@ const MAX_PROBE_INTERVAL: Duration = Duration::from_secs(60);
 /// Counting the tables more often would be a scan loop of its own on the database.
 /// Shorter would cut a scrape of a large /metrics on a slow link.
 const MIN_CONNECTION_LIFETIME: Duration = Duration::from_secs(1);
+/// An operator waits no longer than this for a console answer; nor should a statement
+/// of the console run longer.
+const MAX_CONSOLE_WAIT: Duration = Duration::from_secs(60);
 /// Longer lets a held connection outlast any reason to keep it.
 const MAX_CONNECTION_LIFETIME: Duration = Duration::from_secs(3600);
 const MIN_PENDING_REFRESH: Duration = Duration::from_millis(100);

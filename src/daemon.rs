@@ -26,6 +26,7 @@ use uuid::Uuid;
 use crate::backoff::Backoff;
 use crate::bus::{Bus, BusError};
 use crate::config::Settings;
+use crate::console;
 use crate::election::{LeaseView, Role};
 use crate::fence::{self, Fence};
 use crate::health::Health;
@@ -101,11 +102,25 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         max_per_client: settings.http.max_connections_per_client as usize,
         lifetime: settings.http.connection_lifetime,
     };
-    let (http_addr, http) =
-        http::bind(settings.http_listen()?, limits, probe.clone(), stop.clone())
-            .await
-            .with_context(|| format!("binding http.listen {}", settings.http.listen))?;
-    tracing::info!(%http_addr, "serving /healthz /readyz /status /metrics");
+    let console = settings
+        .console
+        .enabled
+        .then(|| console::routes(&settings, node_id, probe.clone()));
+    let serving = if console.is_some() {
+        "serving /healthz /readyz /status /metrics /console"
+    } else {
+        "serving /healthz /readyz /status /metrics"
+    };
+    let (http_addr, http) = http::bind(
+        settings.http_listen()?,
+        limits,
+        probe.clone(),
+        console,
+        stop.clone(),
+    )
+    .await
+    .with_context(|| format!("binding http.listen {}", settings.http.listen))?;
+    tracing::info!(%http_addr, "{serving}");
     let (role_tx, role_rx) = watch::channel(Role::Passive);
     let (lease_tx, lease_rx) = watch::channel(LeaseView::none(Instant::now()));
     let (bus_tx, bus_rx) = watch::channel(None::<Arc<Bus>>);

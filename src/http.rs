@@ -1,7 +1,9 @@
 //! The operator endpoints on `http.listen`: `/healthz` (liveness), `/readyz`
-//! (readiness), `/status` (JSON snapshot), `/metrics`. One small axum server, stopped
-//! with the daemon. Every answer comes from what the node already knows (`Probe`): no
-//! request, however many, reaches the database or the broker.
+//! (readiness), `/status` (JSON snapshot), `/metrics`, and with `console.enabled` the
+//! web console under `/console` (see `console`). One small axum server, stopped with
+//! the daemon. Every answer of the first four comes from what the node already knows
+//! (`Probe`): no request, however many, reaches the database or the broker. The
+//! console's rows come from one database connection of its own, never the firing's.
 //!
 //! The server runs on a thread and a runtime of its own, at a lower priority: a flood of
 //! requests then costs at most that one thread's CPU, never queues ahead of the firing
@@ -105,6 +107,7 @@ pub(crate) async fn bind(
     addr: SocketAddr,
     limits: Limits,
     probe: Arc<Probe>,
+    console: Option<Router>,
     stop: CancellationToken,
 ) -> std::io::Result<(SocketAddr, Server)> {
     let listener = TcpListener::bind(addr).await?;
@@ -115,7 +118,8 @@ pub(crate) async fn bind(
         .route("/readyz", get(readyz))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
-        .with_state(probe);
+        .with_state(probe)
+        .merge(console.unwrap_or_default());
     let server = Server {
         listener,
         limits,

@@ -35,6 +35,9 @@
 //!   so the rows they held fire now.
 //! - `http`: `/healthz`, `/readyz`, `/status`, `/metrics` on a thread of its own;
 //!   `http::guard` bounds connections per client and their lifetime.
+//! - `console`: the web console under `/console` (off by default): the embedded page,
+//!   tokens and cross-site refusals; `console::api` reads rows and acts through the SQL
+//!   API on one database connection of its own.
 //!
 //! Pure logic:
 //! - [`election`]: the GUID election as a pure state machine (no clock, no I/O).
@@ -74,6 +77,7 @@ pub mod store;
 pub mod wire;
 
 mod backoff;
+mod console;
 mod fence;
 mod fire;
 mod health;

@@ -123,6 +123,33 @@ pub struct Metrics {
     ingested: Family<ResultLabel, Counter>,
     ingest_time: Histogram,
     ingress_consuming: Gauge,
+    console_refused: Family<ReasonLabel, Counter>,
+    console_actions: Family<ConsoleActionLabel, Counter>,
+    /// The last counts of each kind, for the console's summary.
+    pending_last: Mutex<Vec<(&'static str, PendingCounts)>>,
+    /// Rows fired by this node and the sum of their lateness, by kind (the histogram
+    /// keeps them too, but does not tell).
+    lateness_total: Mutex<Vec<(&'static str, u64, f64)>>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConsoleActionLabel {
+    kind: &'static str,
+    action: &'static str,
+    result: &'static str,
+}
+
+/// A kind's pending rows as last counted, and the lateness of what this node fired.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct PendingSummary {
+    pub kind: &'static str,
+    #[serde(flatten)]
+    pub counts: PendingCounts,
+    /// How long ago they were counted (by this node or another of the group).
+    pub counted_s_ago: f64,
+    /// Rows this node fired, and their mean lateness.
+    pub fired_here: u64,
+    pub mean_lateness_s: Option<f64>,
 }
 
 impl Metrics {
@@ -160,6 +187,10 @@ impl Metrics {
             ingested: Family::default(),
             ingest_time: Histogram::new(INGEST_BUCKETS),
             ingress_consuming: Gauge::default(),
+            console_refused: Family::default(),
+            console_actions: Family::default(),
+            pending_last: Mutex::new(Vec::new()),
+            lateness_total: Mutex::new(Vec::new()),
         };
         m.candidate.set(1);
         m.register(node);
@@ -325,6 +356,18 @@ impl Metrics {
             "1 while this node consumes the delay ingress queue",
             self.ingress_consuming.clone(),
         );
+        r.register(
+            "console_refused",
+            "web console requests refused, by reason (unauthenticated, forbidden, read_only, \
+             cross_site, content_type, busy)",
+            self.console_refused.clone(),
+        );
+        r.register(
+            "console_actions",
+            "web console actions taken, by kind, action and result (done: the row changed; \
+             no_change: gone, or not in the state the action needs; error)",
+            self.console_actions.clone(),
+        );
     }
 
     pub fn set_active(&self, active: bool) {
@@ -385,6 +428,16 @@ impl Metrics {
             }
         }
         let fired = lateness.len() as u64;
+        let sum: f64 = lateness.iter().map(Duration::as_secs_f64).sum();
+        let mut total = self
+            .lateness_total
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match total.iter_mut().find(|(k, ..)| *k == kind) {
+            Some((_, n, s)) => (*n, *s) = (*n + fired, *s + sum),
+            None => total.push((kind, fired, sum)),
+        }
+        drop(total);
         self.fired_by_kind
             .get_or_create(&KindLabel { kind })
             .inc_by(fired);
@@ -407,6 +460,13 @@ impl Metrics {
             Some((_, when, old)) => (*when, *old) = (Instant::now(), age),
             None => at.push((kind, Instant::now(), age)),
         }
+        drop(at);
+        let mut last = self.pending_last.lock().unwrap_or_else(|e| e.into_inner());
+        match last.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, old)) => *old = c,
+            None => last.push((kind, c)),
+        }
+        drop(last);
         let states = [
             ("pending", c.pending),
             ("due", c.due),
@@ -423,6 +483,52 @@ impl Metrics {
                 gauge.set(v);
             }
         }
+    }
+
+    /// A console request refused (see the `console_refused` help text).
+    pub fn console_refused(&self, reason: &'static str) {
+        self.console_refused
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// A console action, and what came of it.
+    pub fn console_action(&self, kind: &'static str, action: &'static str, result: &'static str) {
+        self.console_actions
+            .get_or_create(&ConsoleActionLabel {
+                kind,
+                action,
+                result,
+            })
+            .inc();
+    }
+
+    /// Each kind's last counts (none before the first) and this node's lateness of it.
+    pub fn pending_summary(&self) -> Vec<PendingSummary> {
+        let at = self.pending_at.lock().unwrap_or_else(|e| e.into_inner());
+        let last = self.pending_last.lock().unwrap_or_else(|e| e.into_inner());
+        last.iter()
+            .map(|(kind, counts)| {
+                let age = at
+                    .iter()
+                    .find(|(k, ..)| k == kind)
+                    .map_or(Duration::ZERO, |(_, when, age)| *age + when.elapsed());
+                let (fired, sum) = self
+                    .lateness_total
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .find(|(k, ..)| k == kind)
+                    .map_or((0, 0.0), |(_, n, sum)| (*n, *sum));
+                PendingSummary {
+                    kind,
+                    counts: *counts,
+                    counted_s_ago: age.as_secs_f64(),
+                    fired_here: fired,
+                    mean_lateness_s: (fired > 0).then(|| sum / fired as f64),
+                }
+            })
+            .collect()
     }
 
     /// One stored batch of delayed messages and how long it took from arrival.

@@ -372,6 +372,7 @@ fn probed(
     match probed {
         Ok(p) => {
             tracing::trace!(kind = name, ?p, "probed");
+            shared.probe.saw_due(name, p.earliest, p.start);
             pacer.probed(kind, at, p)
         }
         Err(e) => {

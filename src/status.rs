@@ -90,6 +90,19 @@ pub struct Probe {
     stall_after: Duration,
     health: Arc<Health>,
     pub metrics: Metrics,
+    /// The earliest due row of each kind, as the scan last probed it.
+    due_seen: RwLock<Vec<DueSeen>>,
+}
+
+/// A kind's earliest due row (held rows aside), as this node's scan last saw it: only
+/// the active node probes often; another's is as old as `seen_at` says.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct DueSeen {
+    pub kind: &'static str,
+    /// `None`: nothing pending (or only held rows).
+    pub earliest_due: Option<DateTime<Utc>>,
+    /// The database clock when it was probed.
+    pub seen_at: DateTime<Utc>,
 }
 
 impl Probe {
@@ -104,6 +117,7 @@ impl Probe {
                 * (s.amqp.connect_timeout + s.postgres.statement_timeout + s.backoff.max),
             health,
             metrics: Metrics::new(&s.election.group, node_id),
+            due_seen: RwLock::default(),
         }
     }
 
@@ -172,6 +186,41 @@ impl Probe {
             return Some("election: settling".into());
         }
         None
+    }
+
+    /// The scan probed `kind`: its earliest due row is `earliest` seconds from `start`
+    /// (see `store::Probe`).
+    pub(crate) fn saw_due(&self, kind: &'static str, earliest: Option<f64>, start: DateTime<Utc>) {
+        let earliest_due = earliest.map(|s| {
+            chrono::Duration::from_std(Duration::from_secs_f64(s.abs().min(1e10)))
+                .ok()
+                .and_then(|d| {
+                    if s < 0.0 {
+                        start.checked_sub_signed(d)
+                    } else {
+                        start.checked_add_signed(d)
+                    }
+                })
+                .unwrap_or(DateTime::<Utc>::MIN_UTC)
+        });
+        let seen = DueSeen {
+            kind,
+            earliest_due,
+            seen_at: start,
+        };
+        let mut all = self.due_seen.write().unwrap_or_else(|e| e.into_inner());
+        match all.iter_mut().find(|d| d.kind == kind) {
+            Some(d) => *d = seen,
+            None => all.push(seen),
+        }
+    }
+
+    /// What [`Probe::saw_due`] last recorded, per kind.
+    pub fn due_seen(&self) -> Vec<DueSeen> {
+        self.due_seen
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The exposition text, from cached values only.

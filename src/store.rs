@@ -282,9 +282,10 @@ impl Store {
             name,
             settings.max_connections,
             pooled,
+            None,
         )?;
         if let Some(url) = settings.session_url() {
-            store.session = Some(Box::new(Self::open(settings, url, name, 1, false)?));
+            store.session = Some(Box::new(Self::open(settings, url, name, 1, false, None)?));
         }
         Ok(store)
     }
@@ -294,18 +295,41 @@ impl Store {
     /// needs, nor run more than one statement at a time.
     pub(crate) fn observer(settings: &config::Postgres, name: &str) -> Result<Self, StoreError> {
         let pooled = settings.session_url().is_some();
-        Self::open(settings, &settings.url, name, 1, pooled)
+        Self::open(settings, &settings.url, name, 1, pooled, None)
+    }
+
+    /// The web console's store: one connection, as [`Store::observer`], closed once it
+    /// has been unused for `idle` (an operator's visit should not hold a session for the
+    /// node's life).
+    pub(crate) fn console(
+        settings: &config::Postgres,
+        name: &str,
+        idle: Duration,
+    ) -> Result<Self, StoreError> {
+        let pooled = settings.session_url().is_some();
+        Self::open(settings, &settings.url, name, 1, pooled, Some(idle))
+    }
+
+    /// A connection of this store's pool, its host found first; waits at most the
+    /// pool's acquire timeout (`postgres.connect_timeout` of the settings it was opened
+    /// with).
+    pub(crate) async fn connection(&self) -> Result<PoolConnection<Postgres>, StoreError> {
+        self.ready().await?;
+        self.pool.acquire().await.map_err(|e| self.seen(e))
     }
 
     /// A lazy pool of up to `connections` on `url`. `pooled`: `url` goes through a
     /// transaction pooler, which cannot keep settings per client session: none are sent,
-    /// and every new connection must find the server's own bounds in force.
+    /// and every new connection must find the server's own bounds in force. `idle`: a
+    /// pool used now and then, whose connections are closed once unused that long
+    /// (`None`: sqlx's defaults).
     fn open(
         settings: &config::Postgres,
         url: &config::SecretUrl,
         name: &str,
         connections: u32,
         pooled: bool,
+        idle: Option<Duration>,
     ) -> Result<Self, StoreError> {
         let (options, hosts) = hosts::Hosts::new(url, settings, |o| {
             connect_options(settings, name, pooled, o)
@@ -313,6 +337,17 @@ impl Store {
         let mut pool = PgPoolOptions::new()
             .max_connections(connections)
             .acquire_timeout(settings.connect_timeout);
+        if let Some(idle) = idle {
+            // Nor is an idle connection pinged before each use: a wait for the pool is
+            // bounded (`acquire_timeout`), and a ping cut short by that bound under load
+            // closes the connection, so that the next request opens another (measured:
+            // five sessions in ten seconds of the console flood test, one without it). A
+            // connection that died while idle fails one request and is replaced.
+            pool = pool
+                .min_connections(0)
+                .idle_timeout(idle)
+                .test_before_acquire(false);
+        }
         if let Some(hosts) = &hosts {
             pool = hosts.hooks(pool);
         }

@@ -209,6 +209,31 @@ fn invalid_values_are_refused_naming_the_key() {
         ("TIMEOUTD__POSTGRES__SCHEMA", "Upper", "postgres.schema"),
         ("TIMEOUTD__ELECTION__GROUP", "", "election.group"),
         ("TIMEOUTD__ELECTION__SECRET", "too short", "election.secret"),
+        (
+            "TIMEOUTD__CONSOLE__ADMIN_TOKEN",
+            "too short",
+            "console.admin_token",
+        ),
+        (
+            "TIMEOUTD__CONSOLE__READ_TOKEN",
+            "too short",
+            "console.read_token",
+        ),
+        (
+            "TIMEOUTD__CONSOLE__STATEMENT_TIMEOUT",
+            "0s",
+            "console.statement_timeout",
+        ),
+        (
+            "TIMEOUTD__CONSOLE__ACQUIRE_TIMEOUT",
+            "2m",
+            "console.acquire_timeout",
+        ),
+        (
+            "TIMEOUTD__CONSOLE__IDLE_TIMEOUT",
+            "0s",
+            "console.idle_timeout",
+        ),
         ("TIMEOUTD__ELECTION__GROUP", "a.#", "election.group"),
         ("TIMEOUTD__ELECTION__TICK", "0s", "election.tick"),
         ("TIMEOUTD__ELECTION__TICK", "2s", "election.tick"),
@@ -451,6 +476,30 @@ fn redaction_hides_passwords_and_keeps_the_rest() {
     assert!(shown.contains("user:***@rabbit"), "{shown}");
     assert!(shown.contains("sslmode=require"), "{shown}");
     assert!(!shown.contains("password=x"), "{shown}");
+}
+
+#[test]
+fn console_tokens_are_secrets_and_differ() {
+    let s = load(&[
+        ("TIMEOUTD__CONSOLE__ENABLED", "true"),
+        ("TIMEOUTD__CONSOLE__ADMIN_TOKEN", "admin-token-0123456789"),
+        ("TIMEOUTD__CONSOLE__READ_TOKEN", "read-token-0123456789"),
+    ])
+    .expect("valid");
+    let shown = format!("{s:?}{}", toml::to_string(&s).expect("toml"));
+    assert!(
+        !shown.contains("admin-token") && !shown.contains("read-token"),
+        "{shown}"
+    );
+    assert!(shown.contains("admin_token = \"***\""), "{shown}");
+    let same = load(&[
+        ("TIMEOUTD__CONSOLE__ADMIN_TOKEN", "one-token-for-both-0123"),
+        ("TIMEOUTD__CONSOLE__READ_TOKEN", "one-token-for-both-0123"),
+    ])
+    .expect_err("the same token twice")
+    .to_string();
+    assert!(same.contains("console.read_token"), "{same}");
+    assert!(!same.contains("one-token"), "{same}");
 }
 
 #[test]

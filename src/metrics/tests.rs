@@ -43,6 +43,8 @@ fn busy() -> Metrics {
     );
     m.ingest_dropped();
     m.set_ingress_consuming(true);
+    m.console_refused("cross_site");
+    m.console_action("expectation", "cancel", "done");
     m
 }
 
@@ -204,4 +206,24 @@ fn the_metrics_reference_matches_the_code() {
     for (name, d) in &exported {
         assert_eq!(Some(d), documented.get(name), "{name}: code vs docs");
     }
+}
+
+/// The console's summary: each kind's last counts and this node's mean lateness.
+#[test]
+fn the_pending_summary_keeps_the_last_counts_and_the_lateness() {
+    let m = busy();
+    let summary = m.pending_summary();
+    let e = summary
+        .iter()
+        .find(|s| s.kind == "expectation")
+        .expect("expectation counted");
+    assert_eq!((e.counts.pending, e.counts.failing), (4, 1));
+    assert_eq!(e.fired_here, 2);
+    let mean = e.mean_lateness_s.expect("a mean");
+    assert!((mean - 1.0035).abs() < 1e-9, "{mean}");
+    let d = summary
+        .iter()
+        .find(|s| s.kind == "delayed")
+        .expect("delayed");
+    assert_eq!((d.fired_here, d.mean_lateness_s), (0, None));
 }

@@ -10,6 +10,7 @@ mod cli;
 mod client;
 mod clients;
 mod common;
+mod console;
 mod delayed;
 mod delayed_chaos;
 mod deletes;
