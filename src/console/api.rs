@@ -19,7 +19,7 @@ use sqlx::{AssertSqlSafe, Row};
 use uuid::Uuid;
 
 use crate::config::Settings;
-use crate::store::{Store, StoreError};
+use crate::store::{Due, Store, StoreError};
 use crate::telemetry::Chain;
 
 /// The most rows a list or a search returns.
@@ -46,6 +46,10 @@ impl From<StoreError> for DbError {
                 "the console's database connection is busy or cannot connect \
                  (console.acquire_timeout); try again"
                     .into(),
+            ),
+            StoreError::Refused(_, e) => DbError::Refused(
+                e.as_database_error()
+                    .map_or_else(|| e.to_string(), |d| d.message().to_owned()),
             ),
             StoreError::NoAnswer(after) => {
                 DbError::Busy(format!("the database did not answer within {after:?}"))
@@ -319,11 +323,10 @@ pub(super) struct Db {
     postgres: crate::config::Postgres,
     name: String,
     idle: Duration,
-    schema: String,
     sql: Statements,
-    /// `BEGIN …` of a reading and of a writing transaction, with the statement bound.
+    /// `BEGIN …` of a reading transaction, with the statement bound (actions are
+    /// bounded by the console store's own `statement_timeout`).
     begin_read: String,
-    begin_write: String,
     /// The client's bound on a whole step.
     bound: Duration,
 }
@@ -342,10 +345,8 @@ impl Db {
             postgres,
             name: format!("timeoutd-{node_id}-console"),
             idle: c.idle_timeout,
-            schema: settings.postgres.schema.clone(),
             sql: Statements::new(&settings.postgres.schema),
             begin_read: format!("BEGIN ISOLATION LEVEL READ COMMITTED READ ONLY; {bounds}"),
-            begin_write: format!("BEGIN ISOLATION LEVEL READ COMMITTED; {bounds}"),
             // Waiting for the connection, then a few statements each within their bound.
             bound: c.acquire_timeout + c.statement_timeout * 2,
         }
@@ -505,76 +506,56 @@ impl Db {
         .await
     }
 
-    /// Act through the SQL API: whether the row changed (false: gone, or not in the
-    /// state the action needs).
+    /// Act through the SQL API, by the store's calls of its functions (the command line
+    /// uses the same): whether the row changed (false: gone, or not in the state the
+    /// action needs).
     pub(super) async fn act(&self, a: &ActionRequest) -> Result<bool, DbError> {
-        let s = &self.schema;
-        let function = match (a.kind, a.action) {
-            (Kind::Expectation, Action::Cancel) => "cancel_expectation",
-            (Kind::Expectation, Action::Release) => "release_expectation",
-            (Kind::Expectation, Action::Retry) => "retry_expectation",
-            (Kind::Expectation, Action::Reschedule) => "reschedule_expectation",
-            (Kind::Delayed, Action::Cancel) => "cancel_delayed",
-            (Kind::Delayed, Action::Release) => "release_delayed",
-            (Kind::Delayed, Action::Retry) => "retry_delayed",
-            (Kind::Delayed, Action::Reschedule) => "reschedule_delayed",
-        };
         let at = match (a.action, a.at) {
             (Action::Reschedule, None) => {
                 return Err(DbError::Input(
                     "a reschedule needs at (an RFC 3339 time)".into(),
                 ));
             }
-            (Action::Reschedule, at) => at,
-            _ => None,
+            (_, at) => at.map(Due::At),
         };
-        // The arguments as the API orders them: (id[, at]) and (message_id[, at], owner).
-        // The daemon's role may delete from delayed_messages: it acts for any owner.
-        let target = match a.kind {
-            Kind::Expectation => Target::Expectation(
-                a.id.ok_or_else(|| DbError::Input("an expectation is named by id".into()))?,
-            ),
-            Kind::Delayed => match (&a.message_id, &a.owner) {
-                (Some(m), Some(o)) => Target::Delayed(m, o),
-                _ => {
-                    return Err(DbError::Input(
-                        "a delayed message is named by message_id and owner".into(),
-                    ));
-                }
-            },
-        };
-        let params = match (&target, at) {
-            (Target::Expectation(_), None) => "$1",
-            (Target::Expectation(_), Some(_)) => "$1, $2",
-            (Target::Delayed(..), None) => "$1, $2",
-            (Target::Delayed(..), Some(_)) => "$1, $3, $2",
-        };
-        let sql = format!("SELECT {s}.{function}({params})");
         let store = self.store()?;
         self.bounded(async {
-            let mut conn = store.connection().await?;
-            let mut tx =
-                sqlx::Connection::begin_with(&mut *conn, AssertSqlSafe(self.begin_write.clone()))
-                    .await?;
-            let q = sqlx::query_scalar::<_, Option<bool>>(AssertSqlSafe(sql));
-            let q = match target {
-                Target::Expectation(id) => q.bind(id),
-                Target::Delayed(m, o) => q.bind(m).bind(o),
+            let done = match a.kind {
+                Kind::Expectation => {
+                    let id =
+                        a.id.ok_or_else(|| DbError::Input("an expectation is named by id".into()))?;
+                    match (a.action, at) {
+                        (Action::Cancel, _) => store.cancel_expectation(id).await?,
+                        (Action::Release, _) => store.release_expectation(id).await?,
+                        (Action::Retry, _) => store.retry_expectation(id).await?,
+                        (Action::Reschedule, Some(at)) => {
+                            store.reschedule_expectation(id, at).await?.is_some()
+                        }
+                        (Action::Reschedule, None) => false,
+                    }
+                }
+                // The daemon's role may delete from delayed_messages: it acts for any
+                // owner.
+                Kind::Delayed => {
+                    let (Some(m), Some(o)) = (&a.message_id, &a.owner) else {
+                        return Err(DbError::Input(
+                            "a delayed message is named by message_id and owner".into(),
+                        ));
+                    };
+                    let o = Some(o.as_str());
+                    match (a.action, at) {
+                        (Action::Cancel, _) => store.cancel_delayed(m, o).await?,
+                        (Action::Release, _) => store.release_delayed(m, o).await?,
+                        (Action::Retry, _) => store.retry_delayed(m, o).await?,
+                        (Action::Reschedule, Some(at)) => {
+                            store.reschedule_delayed(m, at, o).await?.is_some()
+                        }
+                        (Action::Reschedule, None) => false,
+                    }
+                }
             };
-            let q = match at {
-                Some(at) => q.bind(at),
-                None => q,
-            };
-            let done = q.fetch_one(&mut *tx).await?;
-            tx.commit().await?;
-            Ok(done.unwrap_or(false))
+            Ok(done)
         })
         .await
     }
-}
-
-/// The row an action names.
-enum Target<'a> {
-    Expectation(Uuid),
-    Delayed(&'a str, &'a str),
 }
