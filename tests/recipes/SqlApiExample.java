@@ -94,7 +94,7 @@ class Orders {
     }
 }
 
-// try (Connection c = DriverManager.getConnection("jdbc:postgresql://db/orders?user=orders_app")) {
+// try (Connection c = DriverManager.getConnection("jdbc:postgresql://db/orders?user=orders_pm")) {
 //     UUID expectationId = Orders.placeOrder(c, 42, null);
 //     ...                                            // later, the payment arrived:
 //     Orders.cancelTimeout(c, expectationId);

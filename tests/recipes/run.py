@@ -591,9 +591,6 @@ def run_sqlapi(name, driver, example, lang):
                        exchanges=[out, denied, f"{late}.timeouts", f"{late}.delayed"])
 
 
-TIMEOUT_TRACEPARENT = False  # XXX until the TimeOut carries it (main)
-
-
 def judge_sqlapi(name, events, got):
     lines = []
     if not any(e["event"] == "done" for e in events):
@@ -644,9 +641,7 @@ def judge_sqlapi(name, events, got):
                     raise Failed(f"{name}: {f['what']}: header {k} = {headers.get(k)!r}")
             if f["kind"] == "outbox":
                 outbox_ms.append((at - f["committed"]) * 1000)
-        if f["kind"] == "timeout" and not TIMEOUT_TRACEPARENT:
-            pass
-        elif "traceparent" in f and headers.get("traceparent") != f["traceparent"]:
+        if "traceparent" in f and headers.get("traceparent") != f["traceparent"]:
             raise Failed(f"{name}: {f['what']}: traceparent {headers.get('traceparent')!r}, "
                          f"not {f['traceparent']}")
     kinds = {k: sum(1 for f in fires if f["kind"] == k) for k in ("timeout", "outbox", "delayed")}

@@ -66,7 +66,7 @@ async function placeOrder(client, orderId, { traceparent = null, ownWrites = asy
   }
 }
 
-// const pool = new Pool({ connectionString: 'postgresql://orders_app@db/orders' });
+// const pool = new Pool({ connectionString: 'postgresql://orders_pm@db/orders' });
 // const client = await pool.connect();
 // try {
 //   const [expectationId] = await placeOrder(client, 42);

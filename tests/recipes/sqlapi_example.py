@@ -62,7 +62,7 @@ def place_order(conn, order_id, traceparent=None):
     return expectation_id, message_id
 
 
-# with psycopg.connect("postgresql://orders_app@db/orders", autocommit=True) as conn:
+# with psycopg.connect("postgresql://orders_pm@db/orders", autocommit=True) as conn:
 #     expectation_id, _ = place_order(conn, 42)
 #     ...                                    # later, the payment arrived:
 #     with conn.transaction():
