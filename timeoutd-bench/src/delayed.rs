@@ -612,7 +612,7 @@ pub(crate) async fn declare_target(amqp: &Connection, target: &str) -> Result<()
 
 /// A durable auto-delete queue bound with `#` to the run's target exchange, consumed
 /// without acks into `inbox`.
-async fn consume_target(env: &Env, queue: &str, inbox: Arc<Inbox>) -> Result<()> {
+pub(crate) async fn consume_target(env: &Env, queue: &str, inbox: Arc<Inbox>) -> Result<()> {
     let target = env.settings.delay.target_exchange.as_str();
     let consumer = declare_queue(&env.amqp, queue).await?;
     let channel = env.amqp.create_channel().await?;
@@ -685,7 +685,7 @@ pub(crate) async fn delete_delayed_topology(env: &Env, queues: &[String], target
 }
 
 /// On a channel of its own: an error closes the channel.
-async fn delete_queue(amqp: &Connection, queue: &str) -> Result<()> {
+pub(crate) async fn delete_queue(amqp: &Connection, queue: &str) -> Result<()> {
     let channel = amqp.create_channel().await?;
     let delete = channel.queue_delete(queue.into(), QueueDeleteOptions::default());
     bounded("queue delete", Duration::from_secs(5), delete).await??;

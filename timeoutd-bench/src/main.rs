@@ -49,6 +49,11 @@
 //! another's rows. It needs more connections than Postgres allows by default;
 //! `timeoutd-bench/crowd.sh` runs it against a throwaway cluster and vhost.
 //!
+//! Not part of a whole run either: `--only-outbox` (see `outbox`) measures the
+//! transactional outbox, `publish_at_commit` from COMMIT to a consumer's receipt with one
+//! active daemon: `--outbox-msgs` (2000) transactions at `--outbox-rate` (100/s), then
+//! `--outbox-burst` (1000) back to back; `--runs` times (3).
+//!
 //! What the daemon did in a phase (batches, their durations, TimeOuts fired, lateness at
 //! fire time) comes from its `/metrics`, scraped before and after the phase: counter
 //! deltas, and histogram buckets for bounds (a bucket bound, not a measured maximum).
@@ -71,6 +76,7 @@ mod idle_cost;
 mod insert;
 mod limit;
 mod neighbours;
+mod outbox;
 mod prelude;
 mod report;
 mod scrape;
@@ -93,6 +99,7 @@ pub(crate) use idle_cost::*;
 pub(crate) use insert::*;
 pub(crate) use limit::*;
 pub(crate) use neighbours::*;
+pub(crate) use outbox::*;
 use prelude::*;
 pub(crate) use report::*;
 pub(crate) use scrape::*;
@@ -222,6 +229,19 @@ pub(crate) struct Args {
     /// Default 30 (10 with --quick).
     #[arg(long)]
     pub(crate) crowd_watch_secs: Option<u64>,
+    /// Run only the outbox phase: `publish_at_commit` from COMMIT to receipt, a steady
+    /// stream then a burst, one transaction per message.
+    #[arg(long)]
+    pub(crate) only_outbox: bool,
+    /// Messages of the outbox's steady stream, one transaction each.
+    #[arg(long, default_value_t = 2000)]
+    pub(crate) outbox_msgs: usize,
+    /// Transactions a second of the outbox's steady stream.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) outbox_rate: u32,
+    /// Transactions of the outbox's burst, back to back on one connection.
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) outbox_burst: usize,
     /// Directory for bench.json and bench.svg.
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
@@ -381,6 +401,27 @@ pub(crate) async fn main() -> Result<()> {
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
     if args.only_crowd {
         return only_crowd(&args, daemon_bin, runs).await;
+    }
+    if args.only_outbox {
+        if args.outbox_msgs == 0 || args.outbox_rate == 0 || args.outbox_burst == 0 {
+            bail!("--outbox-msgs, --outbox-rate and --outbox-burst must be greater than 0");
+        }
+        let plan = OutboxPlan {
+            msgs: args.outbox_msgs,
+            rate: args.outbox_rate,
+            burst: args.outbox_burst,
+        };
+        let measure = async |env: &Env, daemon: &mut Daemon| outbox(env, daemon, plan).await;
+        return only_phase(
+            &args,
+            daemon_bin,
+            runs,
+            "outbox",
+            measure,
+            outbox_lines,
+            outbox_measurements,
+        )
+        .await;
     }
     if let (true, Some(flood)) = (args.only_scrape_flood, plan.scrape_flood) {
         let measure = async |env: &Env, daemon: &mut Daemon| scrape_flood(env, daemon, flood).await;
