@@ -265,10 +265,7 @@ impl Site {
     /// Drop what `prepare` and the daemons made; errors are printed.
     async fn cleanup(&self, env: &Env) {
         if self.own_schema {
-            let drop = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema);
-            if let Err(e) = env.execute(drop).await {
-                eprintln!("warning: could not drop schema {}: {e:#}", self.schema);
-            }
+            env.drop_schema(&self.schema).await;
         }
         if let Err(e) = delete_queue(&env.amqp, &self.queue).await {
             eprintln!("warning: could not delete queue {}: {e:#}", self.queue);

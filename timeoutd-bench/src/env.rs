@@ -117,10 +117,7 @@ impl Env {
             schemas.extend(idle.iter().cloned());
         }
         for schema in schemas {
-            let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
-            if let Err(e) = self.execute(drop).await {
-                eprintln!("warning: could not drop schema {schema}: {e:#}");
-            }
+            self.drop_schema(&schema).await;
         }
         if let Err(e) = self.delete_queue().await {
             eprintln!("warning: could not delete queue {}: {e:#}", self.queue);
@@ -134,6 +131,19 @@ impl Env {
         )
         .await;
         self.pool.close().await;
+    }
+
+    /// Drop a schema the daemon's migrations made, and the SQL API's role they made with
+    /// it (`<schema>_api`, cluster-wide); errors are printed.
+    pub(crate) async fn drop_schema(&self, schema: &str) {
+        for drop in [
+            format!("DROP SCHEMA IF EXISTS {schema} CASCADE"),
+            format!("DROP ROLE IF EXISTS {schema}_api"),
+        ] {
+            if let Err(e) = self.execute(drop.clone()).await {
+                eprintln!("warning: {drop}: {e:#}");
+            }
+        }
     }
 
     pub(crate) async fn delete_queue(&self) -> Result<()> {
