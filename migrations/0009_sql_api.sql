@@ -110,7 +110,7 @@ BEGIN
         WHEN key = 'message_id' THEN
             NULL; -- the message_id argument, or the property given, is set below
         WHEN key = 'headers' THEN
-            IF jsonb_typeof(value) <> 'object' THEN
+            IF jsonb_typeof(value) NOT IN ('object', 'null') THEN
                 RAISE EXCEPTION 'headers must be a JSON object' USING ERRCODE = 'invalid_parameter_value';
             END IF;
         ELSE
@@ -118,7 +118,9 @@ BEGIN
                 USING ERRCODE = 'invalid_parameter_value';
         END CASE;
     END LOOP;
-    FOR key, value IN SELECT * FROM jsonb_each(coalesce(given->'headers', '{}')) ORDER BY 1 LOOP
+    -- "headers": null (a nil map, as some languages serialise it) is no headers.
+    FOR key, value IN SELECT * FROM jsonb_each(coalesce(nullif(given->'headers', 'null'), '{}'))
+                      ORDER BY 1 LOOP
         headers := headers || jsonb_build_array(jsonb_build_array(key,
             CASE jsonb_typeof(value)
             WHEN 'string' THEN jsonb_build_object('t', 'str', 'v', value)
