@@ -4,8 +4,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 use uuid::Uuid;
+
+use crate::kind::Kind;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -176,13 +178,6 @@ pub struct MembersArgs {
     /// JSON instead of a table.
     #[arg(long)]
     pub json: bool,
-}
-
-/// A kind of pending row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Kind {
-    Expectation,
-    Delayed,
 }
 
 #[derive(Debug, Args)]

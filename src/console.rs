@@ -32,12 +32,13 @@ use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
 use crate::config::{Secret, Settings};
-use crate::status::{DueSeen, Probe, Snapshot};
+use crate::status::{DueSeen, Snapshot, Status};
 use crate::telemetry::LogLimiter;
 
 mod api;
 
-use api::{Action, ActionRequest, Db, DbError, Kind, RowsState};
+use crate::kind::Kind;
+use api::{Action, ActionRequest, Db, DbError, RowsState};
 
 const INDEX: &str = include_str!("console/assets/index.html");
 const SCRIPT: &str = include_str!("console/assets/console.js");
@@ -157,7 +158,7 @@ impl Refusal {
 
 /// The console's state, shared by its handlers.
 pub(crate) struct Console {
-    probe: Arc<Probe>,
+    status: Arc<Status>,
     admin: Option<Token>,
     read: Option<Token>,
     db: Db,
@@ -165,9 +166,9 @@ pub(crate) struct Console {
 }
 
 /// The console's routes (with `console.enabled`), to merge into the HTTP server's.
-pub(crate) fn routes(settings: &Settings, node_id: Uuid, probe: Arc<Probe>) -> Router {
+pub(crate) fn routes(settings: &Settings, node_id: Uuid, status: Arc<Status>) -> Router {
     let console = Arc::new(Console {
-        probe,
+        status,
         admin: Token::new(&settings.console.admin_token),
         read: Token::new(&settings.console.read_token),
         db: Db::new(settings, node_id),
@@ -220,7 +221,7 @@ fn error(status: StatusCode, text: &str) -> Response {
 impl Console {
     /// Count and (rate-limited) log a refusal, and answer it.
     fn refuse(&self, refusal: Refusal, what: &str) -> Response {
-        self.probe.metrics.console_refused(refusal.reason());
+        self.status.metrics.console_refused(refusal.reason());
         let mut quiet = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(suppressed) = quiet.allow(Instant::now()) {
             tracing::warn!(
@@ -296,7 +297,7 @@ impl Console {
     fn failed(&self, e: DbError) -> Response {
         match e {
             DbError::Busy(why) => {
-                self.probe.metrics.console_refused("busy");
+                self.status.metrics.console_refused("busy");
                 error(StatusCode::SERVICE_UNAVAILABLE, &why)
             }
             DbError::Refused(why) => error(StatusCode::CONFLICT, &why),
@@ -362,9 +363,9 @@ struct Summary {
 
 async fn summary(State(c): State<Arc<Console>>) -> Json<Summary> {
     Json(Summary {
-        node: c.probe.snapshot(),
-        pending: c.probe.metrics.pending_summary(),
-        due: c.probe.due_seen(),
+        node: c.status.snapshot(),
+        pending: c.status.metrics.pending_summary(),
+        due: c.status.due_seen(),
         rows: c.admin.is_some() || c.read.is_some(),
         actions: c.admin.is_some(),
     })
@@ -448,7 +449,7 @@ async fn action(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) 
         Ok(false) => "no_change",
         Err(_) => "error",
     };
-    c.probe
+    c.status
         .metrics
         .console_action(kind.name(), what.name(), result);
     match done {

@@ -1,5 +1,5 @@
 //! Start, supervise, stop: a daemon is five tasks — the node task (`node`: the election
-//! and the broker connection), the scan task (`scheduler`: firing while active), the
+//! and the broker connection), the scan task (`scan`: firing while active), the
 //! delayed-message ingress (`ingress`, every node), the HTTP server (`http`) and the
 //! pending gauges' counter (`status::count_pending`, on a connection of its own while
 //! active) — each
@@ -33,10 +33,10 @@ use crate::health::Health;
 use crate::http;
 use crate::ingress::{self, Intake};
 use crate::node::{Node, NodeLoop};
-use crate::scheduler::{self, Firing};
+use crate::scan::{self, Scan};
 pub use crate::shutdown::Exit;
 use crate::shutdown::{Stopping, sleep_or_stop};
-use crate::status::{self, Probe, Snapshot};
+use crate::status::{self, Snapshot, Status};
 use crate::store::{self, Store};
 use crate::telemetry::Chain;
 
@@ -44,7 +44,7 @@ use crate::telemetry::Chain;
 pub struct Handle {
     pub node_id: Uuid,
     pub role: watch::Receiver<Role>,
-    pub probe: Arc<Probe>,
+    pub status: Arc<Status>,
     /// Where `/healthz`, `/readyz` and `/status` are served.
     pub http_addr: SocketAddr,
     /// Asks the supervisor for a stop.
@@ -66,7 +66,7 @@ impl Handle {
     }
 
     pub fn snapshot(&self) -> Snapshot {
-        self.probe.snapshot()
+        self.status.snapshot()
     }
 }
 
@@ -97,7 +97,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     store.lean(true);
     let observer = Store::observer(&settings.postgres, &format!("timeoutd-{node_id}-observe"))?;
     let health = Arc::new(Health::default());
-    let probe = Arc::new(Probe::new(&settings, node_id, health.clone()));
+    let status = Arc::new(Status::new(&settings, node_id, health.clone()));
     let limits = http::Limits {
         max_per_client: settings.http.max_connections_per_client as usize,
         lifetime: settings.http.connection_lifetime,
@@ -105,7 +105,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let console = settings
         .console
         .enabled
-        .then(|| console::routes(&settings, node_id, probe.clone()));
+        .then(|| console::routes(&settings, node_id, status.clone()));
     let serving = if console.is_some() {
         "serving /healthz /readyz /status /metrics /console"
     } else {
@@ -114,7 +114,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let (http_addr, http) = http::bind(
         settings.http_listen()?,
         limits,
-        probe.clone(),
+        status.clone(),
         console,
         stop.clone(),
     )
@@ -130,14 +130,14 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         node_id,
         store: store.clone(),
         role: role_rx.clone(),
-        probe: probe.clone(),
+        status: status.clone(),
         departed: departed_rx,
         stop: stop.clone(),
     };
     let node = Node {
         settings: settings.clone(),
         node_id,
-        probe: probe.clone(),
+        status: status.clone(),
         health: health.clone(),
         bus: bus_tx,
         lease: lease_tx,
@@ -150,16 +150,19 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         settings: settings.clone(),
         store: store.clone(),
         bus: bus_rx.clone(),
-        probe: probe.clone(),
+        status: status.clone(),
         stop: stop.clone(),
     });
-    let firing = Firing {
+    let scan = Scan {
+        limits: scan::Limits::new(&settings),
+        memory: scan::Memory::default(),
         settings: settings.clone(),
         node_id,
         store: store.clone(),
         bus: bus_rx.clone(),
         lease: lease_rx,
-        probe: probe.clone(),
+        metrics: status.metrics.clone(),
+        status: status.clone(),
         health,
         stop: stop.clone(),
         stopping: stopping.clone(),
@@ -167,13 +170,13 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     tracing::info!(node_id = %node_id, group = %settings.election.group, "starting");
     let tasks = Tasks {
         node,
-        firing,
+        scan,
         fence,
         http,
         intake,
         observer,
         role: role_rx.clone(),
-        probe: probe.clone(),
+        status: status.clone(),
     };
     let stops = Stops {
         asked: asked.clone(),
@@ -184,7 +187,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     Ok(Handle {
         node_id,
         role: role_rx,
-        probe,
+        status,
         http_addr,
         asked,
         join,
@@ -194,7 +197,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
 /// What the supervisor starts.
 struct Tasks {
     node: Node,
-    firing: Firing,
+    scan: Scan,
     fence: Fence,
     http: http::Server,
     /// The delayed-message ingress, unless `delay.enabled = false`.
@@ -202,7 +205,7 @@ struct Tasks {
     /// The pending gauges' connection while active (see `status::Counting`).
     observer: Store,
     role: watch::Receiver<Role>,
-    probe: Arc<Probe>,
+    status: Arc<Status>,
 }
 
 /// The stop as the supervisor sees it.
@@ -244,11 +247,11 @@ async fn supervise(
     if settings.postgres.migrate_on_start && !migrate(&settings, &store, &stops, &stores).await {
         return finish(set, running, &stores, &bus, &stops.stopping, Exit::Stopped).await;
     }
-    let (node, firing) = (tasks.node, tasks.firing);
+    let (node, scan) = (tasks.node, tasks.scan);
     let task = set.spawn(async move { (Task::Node, Ok(NodeLoop::new(node).run().await)) });
     running.push((task.id(), Task::Node));
     let task = set.spawn(async move {
-        scheduler::scan_loop(Arc::new(firing)).await;
+        scan::run(Arc::new(scan)).await;
         (Task::Scan, Ok(Exit::Stopped))
     });
     running.push((task.id(), Task::Scan));
@@ -270,9 +273,9 @@ async fn supervise(
         pool: store.clone(),
         role: tasks.role,
     };
-    let (probe, counted, halt) = (tasks.probe, settings.clone(), stops.stop.clone());
+    let (status, counted, halt) = (tasks.status, settings.clone(), stops.stop.clone());
     let task = set.spawn(async move {
-        status::count_pending(probe, counting, counted, halt).await;
+        status::count_pending(status, counting, counted, halt).await;
         (Task::PendingCounts, Ok(Exit::Stopped))
     });
     running.push((task.id(), Task::PendingCounts));

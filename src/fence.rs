@@ -30,7 +30,7 @@ use uuid::Uuid;
 
 use crate::config::Settings;
 use crate::election::Role;
-use crate::status::{MemberStatus, Probe};
+use crate::status::{MemberStatus, Status};
 use crate::store::{Store, bounded};
 use crate::telemetry::{Chain, LogLimiter};
 
@@ -46,7 +46,7 @@ pub(crate) struct Fence {
     pub(crate) node_id: Uuid,
     pub(crate) store: Store,
     pub(crate) role: watch::Receiver<Role>,
-    pub(crate) probe: Arc<Probe>,
+    pub(crate) status: Arc<Status>,
     /// Members the election saw depart (`election::Output::Departed`).
     pub(crate) departed: mpsc::Receiver<Uuid>,
     pub(crate) stop: CancellationToken,
@@ -72,7 +72,7 @@ pub(crate) async fn fence_loop(mut f: Fence) {
             _ = tick.tick() => {}
         }
         let now = Instant::now();
-        let members = f.probe.snapshot().members;
+        let members = f.status.snapshot().members;
         let role = *f.role.borrow();
         let nodes = targets(&mut watched, &members, f.node_id, role, now);
         if nodes.is_empty() {
@@ -90,7 +90,7 @@ pub(crate) async fn fence_loop(mut f: Fence) {
                     ?nodes,
                     "ended the database sessions of departed or withdrawn nodes that held rows locked"
                 );
-                f.probe.metrics.fenced(ended);
+                f.status.metrics.fenced(ended);
             }
             Err(e) => {
                 if let Some(held_back) = warn.allow(now) {

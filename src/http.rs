@@ -2,7 +2,7 @@
 //! (readiness), `/status` (JSON snapshot), `/metrics`, and with `console.enabled` the
 //! web console under `/console` (see `console`). One small axum server, stopped with
 //! the daemon. Every answer of the first four comes from what the node already knows
-//! (`Probe`): no request, however many, reaches the database or the broker. The
+//! (`Status`): no request, however many, reaches the database or the broker. The
 //! console's rows come from one database connection of its own, never the firing's.
 //!
 //! The server runs on a thread and a runtime of its own, at a lower priority: a flood of
@@ -24,7 +24,7 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::status::{Probe, Snapshot};
+use crate::status::{Snapshot, Status};
 
 mod guard;
 pub(crate) use guard::Limits;
@@ -106,7 +106,7 @@ fn give_way() {}
 pub(crate) async fn bind(
     addr: SocketAddr,
     limits: Limits,
-    probe: Arc<Probe>,
+    status: Arc<Status>,
     console: Option<Router>,
     stop: CancellationToken,
 ) -> std::io::Result<(SocketAddr, Server)> {
@@ -116,9 +116,9 @@ pub(crate) async fn bind(
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/status", get(status))
+        .route("/status", get(status_json))
         .route("/metrics", get(metrics))
-        .with_state(probe)
+        .with_state(status)
         .merge(console.unwrap_or_default());
     let server = Server {
         listener,
@@ -129,26 +129,26 @@ pub(crate) async fn bind(
     Ok((bound, server))
 }
 
-async fn healthz(State(probe): State<Arc<Probe>>) -> Response {
-    match probe.stalled() {
+async fn healthz(State(status): State<Arc<Status>>) -> Response {
+    match status.stalled() {
         None => (StatusCode::OK, Json(serde_json::json!({"status": "ok"}))).into_response(),
         Some(reason) => unavailable(&reason),
     }
 }
 
-async fn readyz(State(probe): State<Arc<Probe>>) -> Response {
-    match probe.not_ready() {
+async fn readyz(State(status): State<Arc<Status>>) -> Response {
+    match status.not_ready() {
         None => (StatusCode::OK, Json(serde_json::json!({"status": "ready"}))).into_response(),
         Some(reason) => unavailable(&reason),
     }
 }
 
-async fn status(State(probe): State<Arc<Probe>>) -> Json<Snapshot> {
-    Json(probe.snapshot())
+async fn status_json(State(status): State<Arc<Status>>) -> Json<Snapshot> {
+    Json(status.snapshot())
 }
 
-async fn metrics(State(probe): State<Arc<Probe>>) -> Response {
-    let body = probe.metrics_text();
+async fn metrics(State(status): State<Arc<Status>>) -> Response {
+    let body = status.metrics_text();
     let content_type = [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)];
     (StatusCode::OK, content_type, body).into_response()
 }

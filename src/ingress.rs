@@ -20,7 +20,7 @@ use crate::backoff::Backoff;
 use crate::bus::{Arrived, Bus, BusError, InTheWay, Ingress, IngressSpec};
 use crate::config::Settings;
 use crate::shutdown::sleep_or_stop;
-use crate::status::{IngressStatus, Probe};
+use crate::status::{IngressStatus, Status};
 use crate::store::{Bound, Held, Ingest, IngestOutcome, Quota, Store, StoreError, Stored, bounded};
 use crate::telemetry::{Chain, LogLimiter};
 use crate::wire::delayed::{self, Rules};
@@ -34,7 +34,7 @@ pub(crate) struct Intake {
     pub(crate) settings: Arc<Settings>,
     pub(crate) store: Store,
     pub(crate) bus: watch::Receiver<Option<Arc<Bus>>>,
-    pub(crate) probe: Arc<Probe>,
+    pub(crate) status: Arc<Status>,
     pub(crate) stop: CancellationToken,
 }
 
@@ -112,8 +112,8 @@ impl Intake {
     }
 
     fn set_consuming(&self, consuming: bool, error: Option<String>) {
-        self.probe.metrics.set_ingress_consuming(consuming);
-        self.probe.update(|s| {
+        self.status.metrics.set_ingress_consuming(consuming);
+        self.status.update(|s| {
             let i = s.ingress.get_or_insert_with(IngressStatus::default);
             i.consuming = consuming;
             // Consuming again clears it: readiness must not name a cause long gone.
@@ -128,7 +128,7 @@ impl Intake {
 /// makes, and again whenever the database is back.
 pub(crate) async fn ingress_loop(ctx: Intake) {
     let spec = ctx.spec();
-    ctx.probe.update(|s| {
+    ctx.status.update(|s| {
         s.ingress = Some(IngressStatus {
             queue: spec.name.clone(),
             ..IngressStatus::default()
@@ -301,8 +301,8 @@ async fn take_in(ctx: &Intake, batch: Vec<Arrived>, judge: &Judge) -> Result<Opt
         .map(|a| delayed::ingest(a.message, &judge.rules, now))
         .collect();
     let outcome = store(ctx, &items, judge.quota).await?;
-    ctx.probe.metrics.ingested(&outcome, arrived.elapsed());
-    ctx.probe.update(|s| {
+    ctx.status.metrics.ingested(&outcome, arrived.elapsed());
+    ctx.status.update(|s| {
         if let Some(i) = s.ingress.as_mut() {
             i.stored_total += outcome.stored;
         }
@@ -443,7 +443,7 @@ async fn store_alone(ctx: &Intake, items: &[Ingest], quota: Quota) -> Result<Ing
             }
             Err(e) => {
                 tracing::error!(error = %Chain(&e), "a delayed message could not be stored at all: dropped");
-                ctx.probe.metrics.ingest_dropped();
+                ctx.status.metrics.ingest_dropped();
             }
         }
     }

@@ -20,7 +20,7 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 use uuid::Uuid;
 
-use crate::store::{Bound, IngestOutcome, PendingCounts, TABLES};
+use crate::store::{Bound, IngestOutcome, Kind, PendingCounts};
 
 /// The `kind` of expectations (see `fire::Kind::NAME`).
 const EXPECTATION: &str = "expectation";
@@ -179,9 +179,9 @@ impl Metrics {
             pending_by_kind: Family::default(),
             pending_age: Family::default(),
             pending_at: Mutex::new(
-                TABLES
+                Kind::ALL
                     .iter()
-                    .map(|t| (t.kind(), Instant::now(), Duration::ZERO))
+                    .map(|t| (t.name(), Instant::now(), Duration::ZERO))
                     .collect(),
             ),
             ingested: Family::default(),

@@ -20,7 +20,7 @@ use crate::election::{Election, LeaseView, Output, Role};
 use crate::health::{Check, Health};
 use crate::metrics::Metrics;
 use crate::shutdown::{Exit, Stopping, sleep_or_stop};
-use crate::status::{MemberStatus, Probe};
+use crate::status::{MemberStatus, Status};
 use crate::telemetry::Chain;
 use crate::telemetry::LogLimiter;
 use crate::wire::announcement::{Announcement, Envelope};
@@ -29,7 +29,7 @@ use crate::wire::announcement::{Announcement, Envelope};
 pub(crate) struct Node {
     pub(crate) settings: Arc<Settings>,
     pub(crate) node_id: Uuid,
-    pub(crate) probe: Arc<Probe>,
+    pub(crate) status: Arc<Status>,
     pub(crate) health: Arc<Health>,
     pub(crate) bus: watch::Sender<Option<Arc<Bus>>>,
     pub(crate) lease: watch::Sender<LeaseView>,
@@ -74,7 +74,7 @@ enum Ended {
 
 impl NodeLoop {
     fn metrics(&self) -> &Metrics {
-        &self.ctx.probe.metrics
+        &self.ctx.status.metrics
     }
 
     pub(crate) fn new(ctx: Node) -> Self {
@@ -118,10 +118,10 @@ impl NodeLoop {
             first = false;
             self.ctx.health.pass(Check::Publish);
             self.ctx.bus.send_replace(Some(bus.clone()));
-            self.ctx.probe.update(|s| s.bus_connected = true);
+            self.ctx.status.update(|s| s.bus_connected = true);
             self.metrics().set_amqp_connected(true);
             let ended = self.serve(&bus, announcements).await;
-            self.ctx.probe.update(|s| s.bus_connected = false);
+            self.ctx.status.update(|s| s.bus_connected = false);
             self.metrics().set_amqp_connected(false);
             match ended {
                 Ended::Stop => {
@@ -143,7 +143,7 @@ impl NodeLoop {
         let settings = &self.ctx.settings;
         let name = format!("timeoutd {}", self.ctx.node_id);
         loop {
-            self.ctx.probe.beat(&self.ctx.probe.node_beat);
+            self.ctx.status.beat(&self.ctx.status.node_beat);
             if self.ctx.stop.is_cancelled() {
                 return None;
             }
@@ -198,7 +198,7 @@ impl NodeLoop {
                     }
                 },
             }
-            self.ctx.probe.beat(&self.ctx.probe.node_beat);
+            self.ctx.status.beat(&self.ctx.status.node_beat);
             if !self.apply_outputs(Some(bus)).await {
                 return Ended::BusLost;
             }
@@ -216,7 +216,7 @@ impl NodeLoop {
                 self.metrics().rejected(e.kind());
                 let rejected = self.admission.rejected().clone();
                 self.ctx
-                    .probe
+                    .status
                     .update(|s| s.rejected_announcements = rejected);
                 let limiter = self
                     .rejected
@@ -268,7 +268,7 @@ impl NodeLoop {
         self.ctx.lease.send_replace(e.lease_view());
         self.metrics().set_members(snapshot.4.len());
         let failing = self.ctx.health.failing();
-        self.ctx.probe.update(|s| {
+        self.ctx.status.update(|s| {
             (s.role, s.settled, s.candidate, s.lowest, s.members) = snapshot;
             s.failing_checks = failing;
         });

@@ -23,7 +23,7 @@ use crate::election::Role;
 use crate::health::{Check, Health, Standing};
 use crate::metrics::Metrics;
 use crate::shutdown::sleep_or_stop;
-use crate::store::{PendingCounts, Store, StoreError, TABLES, Table, bounded};
+use crate::store::{Kind, PendingCounts, Store, StoreError, bounded};
 use crate::telemetry::{Chain, LogLimiter};
 
 /// A member as `/status` and `members` show it.
@@ -82,14 +82,14 @@ pub struct IngressStatus {
 
 /// What the HTTP probes and `/status` read: the snapshot, loop heartbeats, the health
 /// the node's own tasks report, the metrics. Nothing that reaches out.
-pub struct Probe {
+pub struct Status {
     started: Instant,
     status: RwLock<Snapshot>,
     pub(crate) node_beat: AtomicU64,
     pub(crate) scan_beat: AtomicU64,
     stall_after: Duration,
     health: Arc<Health>,
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     /// The earliest due row of each kind, as the scan last probed it.
     due_seen: RwLock<Vec<DueSeen>>,
 }
@@ -105,7 +105,7 @@ pub struct DueSeen {
     pub seen_at: DateTime<Utc>,
 }
 
-impl Probe {
+impl Status {
     pub(crate) fn new(settings: &Settings, node_id: Uuid, health: Arc<Health>) -> Self {
         let s = settings;
         Self {
@@ -116,7 +116,7 @@ impl Probe {
             stall_after: 2
                 * (s.amqp.connect_timeout + s.postgres.statement_timeout + s.backoff.max),
             health,
-            metrics: Metrics::new(&s.election.group, node_id),
+            metrics: Arc::new(Metrics::new(&s.election.group, node_id)),
             due_seen: RwLock::default(),
         }
     }
@@ -189,7 +189,7 @@ impl Probe {
     }
 
     /// The scan probed `kind`: its earliest due row is `earliest` seconds from `start`
-    /// (see `store::Probe`).
+    /// (see `store::NextDue`).
     pub(crate) fn saw_due(&self, kind: &'static str, earliest: Option<f64>, start: DateTime<Utc>) {
         let earliest_due = earliest.map(|s| {
             chrono::Duration::from_std(Duration::from_secs_f64(s.abs().min(1e10)))
@@ -215,7 +215,7 @@ impl Probe {
         }
     }
 
-    /// What [`Probe::saw_due`] last recorded, per kind.
+    /// What [`Status::saw_due`] last recorded, per kind.
     pub fn due_seen(&self) -> Vec<DueSeen> {
         self.due_seen
             .read()
@@ -269,7 +269,7 @@ impl Counting {
 /// node, and cache the counts in the metrics. "Overdue" means due for longer than a
 /// tick. A failure leaves the last counts, whose age the metrics show.
 pub(crate) async fn count_pending(
-    probe: Arc<Probe>,
+    status: Arc<Status>,
     counting: Counting,
     settings: Arc<Settings>,
     stop: CancellationToken,
@@ -278,7 +278,7 @@ pub(crate) async fn count_pending(
     let limit = settings.db_bound();
     let mut quiet = LogLimiter::new(COUNT_LOG_EVERY);
     loop {
-        for table in TABLES {
+        for kind in Kind::ALL {
             let counted = loop {
                 let (store, on_pool) = counting.store();
                 tokio::select! {
@@ -288,15 +288,15 @@ pub(crate) async fn count_pending(
                     // observer's (the statement ends on the server within its bound,
                     // then the connection goes back to the pool, which has room for it).
                     _ = counting.activated(), if on_pool => continue,
-                    c = bounded(limit, group_counts(store, table, late, every)) => break c,
+                    c = bounded(limit, group_counts(store, kind, late, every)) => break c,
                 }
             };
             match counted {
-                Ok(Some((c, age))) => probe.metrics.set_pending(table.kind(), c, age),
+                Ok(Some((c, age))) => status.metrics.set_pending(kind.name(), c, age),
                 Ok(None) => {}
                 Err(e) => {
                     if let Some(suppressed) = quiet.allow(Instant::now()) {
-                        tracing::warn!(error = %Chain(&e), kind = table.kind(), suppressed, "cannot count the pending rows for the gauges");
+                        tracing::warn!(error = %Chain(&e), kind = kind.name(), suppressed, "cannot count the pending rows for the gauges");
                     }
                 }
             }
@@ -312,13 +312,13 @@ pub(crate) async fn count_pending(
 /// the grants on `pending_counts` of SECURITY.md), counted here alone.
 async fn group_counts(
     store: &Store,
-    table: Table,
+    kind: Kind,
     late: Duration,
     fresh: Duration,
 ) -> Result<Option<(PendingCounts, Duration)>, StoreError> {
-    match store.shared_counts(table, late, fresh).await {
+    match store.shared_counts(kind, late, fresh).await {
         Err(StoreError::Db(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42501") => {
-            Ok(Some((store.counts(table, late).await?, Duration::ZERO)))
+            Ok(Some((store.counts(kind, late).await?, Duration::ZERO)))
         }
         other => other,
     }

@@ -65,18 +65,9 @@ pub enum StoreError {
     /// The database refused an operator's verb (see [`Refusal`]); its message says why.
     #[error("refused by the database")]
     Refused(Refusal, #[source] sqlx::Error),
-    #[error("no statements for table {0}")]
-    UnknownTable(&'static str),
 }
 
-/// A table of due rows: its name and the column holding the deadline. Everything the
-/// firing transaction writes is the same for every such table (see [`Writes`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Table {
-    name: &'static str,
-    deadline: &'static str,
-    kind: &'static str,
-}
+pub use crate::kind::Kind;
 
 /// What `timeoutd pending` and the gauges report.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -121,40 +112,36 @@ pub const BEGIN: &str = begin!();
 /// plans with one are priced out (a last resort: without the due index it would sort).
 pub const SCAN_BEGIN: &str = concat!(begin!(), "; SET LOCAL enable_sort = off");
 
-/// The process manager's expectations (contract section 2).
-pub const EXPECTATIONS: Table = Table {
-    name: "expected_messages",
-    deadline: "timeout_at",
-    kind: "expectation",
-};
+/// Where each kind's rows live. Everything the firing transaction writes is the same for
+/// every kind (see [`Writes`]).
+impl Kind {
+    /// The table holding its rows.
+    pub(crate) const fn table(self) -> &'static str {
+        match self {
+            Kind::Expectation => "expected_messages",
+            Kind::Delayed => "delayed_messages",
+        }
+    }
 
-/// Messages published with a delay (contract section 7).
-pub const DELAYED: Table = Table {
-    name: "delayed_messages",
-    deadline: "deliver_at",
-    kind: "delayed",
-};
-
-/// Every table the scan fires from.
-pub const TABLES: [Table; 2] = [EXPECTATIONS, DELAYED];
-
-impl Table {
-    /// What logs, metrics and `pending` call its rows.
-    pub const fn kind(&self) -> &'static str {
-        self.kind
+    /// The column holding its rows' deadline.
+    const fn deadline_column(self) -> &'static str {
+        match self {
+            Kind::Expectation => "timeout_at",
+            Kind::Delayed => "deliver_at",
+        }
     }
 
     /// Due means: the deadline has passed and so has any retry time (`greatest` ignores
     /// NULL). The expression index of migration 0003 serves exactly this expression.
-    fn due_at(&self) -> String {
-        format!("greatest(m.{}, m.retry_at)", self.deadline)
+    fn due_at(self) -> String {
+        format!("greatest(m.{}, m.retry_at)", self.deadline_column())
     }
 
     /// The deadline clamped so '-infinity' / 'infinity' still decode (and fire, if due).
-    fn deadline(&self) -> String {
+    fn deadline(self) -> String {
         format!(
             "least(greatest(m.{}, '0001-01-01T00:00:00Z'), '9999-12-31T23:59:59Z')",
-            self.deadline
+            self.deadline_column()
         )
     }
 
@@ -164,23 +151,23 @@ impl Table {
     /// such bound). `deadline <= …` is implied by the due expression; it is spelled out
     /// so that no change to the bookkeeping can ever hold a row for sending before its
     /// deadline. The rows' own due times (`due_at` below) decide when each is sent.
-    fn window(&self) -> String {
+    fn window(self) -> String {
         let due_at = self.due_at();
         format!(
             "{due_at} <= now() + make_interval(secs => $4) \
              AND m.{} <= now() + make_interval(secs => $4) \
              AND {due_at} >= greatest(coalesce(now() - make_interval(secs => $5), \
              '-infinity'), {})",
-            self.deadline,
+            self.deadline_column(),
             from_bound("$6")
         )
     }
 
     /// The instant a row may be sent (its deadline, or a later retry time), clamped as
-    /// [`Table::deadline`] is, and the database clock when it was read: together they
+    /// [`Kind::deadline`] is, and the database clock when it was read: together they
     /// tell the scan how long to hold the row. And the end of the window the statement
     /// locked (every row due until then was taken, or held by another batch).
-    fn due_columns(&self) -> String {
+    fn due_columns(self) -> String {
         format!(
             "least(greatest({}, '0001-01-01T00:00:00Z'), '9999-12-31T23:59:59Z') AS due_at, \
              clock_timestamp() AS fired_at, now() + make_interval(secs => $4) AS window_end",
@@ -190,7 +177,7 @@ impl Table {
 }
 
 /// The lower bound `param` (a due time a batch returned, or NULL) puts on `due_at`. Due
-/// times come back clamped to year 1 (see [`Table::deadline`]): a bound there could be
+/// times come back clamped to year 1 (see [`Kind::deadline`]): a bound there could be
 /// any earlier time, even '-infinity', so it bounds nothing.
 fn from_bound(param: &str) -> String {
     format!(
@@ -216,7 +203,7 @@ pub struct Window {
 /// database's `now()` (negative: overdue; minus infinity for a row due at
 /// '-infinity'), `None` when no such row is pending.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Probe {
+pub struct NextDue {
     /// The earliest due row, locked by someone or not.
     pub earliest: Option<f64>,
     /// The earliest row due after the instant the caller asked about.
@@ -242,7 +229,7 @@ impl Sql {
             api: api::Statements::new(schema),
             expectations: expectations::Statements::new(schema),
             delayed: delayed::Statements::new(schema),
-            writes: TABLES
+            writes: Kind::ALL
                 .iter()
                 .map(|t| settle::Writes::new(schema, *t))
                 .collect(),
@@ -475,11 +462,11 @@ impl Store {
 
     /// The firing transaction on `table` (see [`SCAN_BEGIN`]), holding the lock its
     /// deletes take, and how it may delete (see [`Deletes`]).
-    pub async fn begin_scan(
+    pub async fn begin_batch(
         &self,
-        table: Table,
+        kind: Kind,
     ) -> Result<(Transaction<'static, Postgres>, Deletes), StoreError> {
-        let w = self.writes(table)?;
+        let w = self.writes(kind);
         self.ready().await?;
         let mut tx = self
             .pool
@@ -504,15 +491,15 @@ impl Store {
     /// due index, one round trip.
     pub async fn probe(
         &self,
-        table: Table,
+        kind: Kind,
         after: Option<DateTime<Utc>>,
         fresh: Duration,
         from: Option<DateTime<Utc>>,
-    ) -> Result<Probe, StoreError> {
+    ) -> Result<NextDue, StoreError> {
         self.ready().await?;
         let mut conn = self.acquire().await?;
         let row: (Option<f64>, Option<f64>, DateTime<Utc>, DateTime<Utc>) =
-            sqlx::query_as(safe(&self.writes(table)?.probe))
+            sqlx::query_as(safe(&self.writes(kind).probe))
                 .bind(after)
                 .bind(fresh.as_secs_f64())
                 .bind(from)
@@ -521,7 +508,7 @@ impl Store {
                 .map_err(|e| self.seen(e))?;
         // '-infinity' is as overdue as can be; 'infinity' (a held row) is never due.
         let due = |s: Option<f64>| s.filter(|s| !s.is_nan() && *s != f64::INFINITY);
-        Ok(Probe {
+        Ok(NextDue {
             earliest: due(row.0),
             beyond: due(row.1),
             now: row.2,
@@ -530,19 +517,19 @@ impl Store {
     }
 
     /// Counts of one table for operators; `overdue` means due for longer than `late`.
-    pub async fn counts(&self, table: Table, late: Duration) -> Result<PendingCounts, StoreError> {
+    pub async fn counts(&self, kind: Kind, late: Duration) -> Result<PendingCounts, StoreError> {
         self.ready().await?;
         let mut conn = self.acquire().await?;
-        self.count(&mut conn, table, late).await
+        self.count(&mut conn, kind, late).await
     }
 
     async fn count(
         &self,
         conn: &mut sqlx::PgConnection,
-        table: Table,
+        kind: Kind,
         late: Duration,
     ) -> Result<PendingCounts, StoreError> {
-        let row = sqlx::query(safe(&self.writes(table)?.counts))
+        let row = sqlx::query(safe(&self.writes(kind).counts))
             .bind(format!("{} milliseconds", late.as_millis()))
             .fetch_one(conn)
             .await
@@ -557,12 +544,12 @@ impl Store {
     /// per refresh, not one per node.
     pub async fn shared_counts(
         &self,
-        table: Table,
+        kind: Kind,
         late: Duration,
         fresh: Duration,
     ) -> Result<Option<(PendingCounts, Duration)>, StoreError> {
-        let (kind, fresh) = (table.kind(), format!("{} milliseconds", fresh.as_millis()));
-        let w = self.writes(table)?;
+        let (name, fresh) = (kind.name(), format!("{} milliseconds", fresh.as_millis()));
+        let w = self.writes(kind);
         self.ready().await?;
         let mut conn = self.acquire().await?;
         let shared = |row: &sqlx::postgres::PgRow| -> Result<_, StoreError> {
@@ -574,7 +561,7 @@ impl Store {
                 .transpose()
         };
         let row = sqlx::query(safe(&w.shared_read))
-            .bind(kind)
+            .bind(name)
             .bind(&fresh)
             .fetch_one(&mut *conn)
             .await
@@ -586,7 +573,7 @@ impl Store {
             .await
             .map_err(|e| self.seen(e))?;
         let mine = sqlx::query(safe(&w.shared_lock))
-            .bind(kind)
+            .bind(name)
             .bind(&fresh)
             .fetch_optional(&mut *tx)
             .await
@@ -598,9 +585,9 @@ impl Store {
             Some(r) if r.try_get("fresh")? => return shared(&r),
             Some(_) => {}
         }
-        let c = self.count(&mut tx, table, late).await?;
+        let c = self.count(&mut tx, kind, late).await?;
         sqlx::query(safe(&w.shared_write))
-            .bind(kind)
+            .bind(name)
             .bind(c.pending)
             .bind(c.due)
             .bind(c.overdue)
@@ -612,12 +599,9 @@ impl Store {
         Ok(Some((c, Duration::ZERO)))
     }
 
-    fn writes(&self, table: Table) -> Result<&Writes, StoreError> {
-        self.sql
-            .writes
-            .iter()
-            .find(|w| w.table == table)
-            .ok_or(StoreError::UnknownTable(table.name))
+    fn writes(&self, kind: Kind) -> &Writes {
+        // Built from `Kind::ALL`, in its order.
+        &self.sql.writes[kind.index()]
     }
 
     /// The channel the migrations' trigger notifies on new or moved deadlines.
@@ -628,7 +612,7 @@ impl Store {
     }
 
     /// A listener on [`Store::notify_channel`] (one pooled connection, held while the
-    /// listener lives: the scan opens it only while active, see `scheduler::listen`).
+    /// listener lives: the scan opens it only while active, see `scan::notice::listen`).
     pub async fn listener(&self) -> Result<PgListener, StoreError> {
         let session = self.session();
         session.ready().await?;
@@ -636,7 +620,7 @@ impl Store {
             .await
             .map_err(|e| session.seen(e))?;
         // A lost connection ends the listener: the scan must know when it listens again
-        // (see `scheduler::listen`), which sqlx's own reconnect would hide.
+        // (see `scan::notice::listen`), which sqlx's own reconnect would hide.
         listener.eager_reconnect(false);
         listener.listen(&self.notify_channel()).await?;
         Ok(listener)
@@ -738,7 +722,7 @@ pub(crate) async fn bounded<T>(
 
 /// Run a due-row statement of any table (binds: `$1` limit, `$2` largest content to
 /// fetch with the row, in bytes, `$3` ids to skip, `$4` horizon and `$5` freshness in
-/// seconds, `$6` the earliest due time, see [`Table::window`]).
+/// seconds, `$6` the earliest due time, see [`Kind::window`]).
 async fn lock_rows<R>(
     sql: &Arc<str>,
     tx: &mut sqlx::PgConnection,
@@ -845,8 +829,8 @@ mod tests {
     #[test]
     fn the_due_expression_is_the_indexed_one() {
         let migration = include_str!("../migrations/0003_due_never_before_deadline.sql");
-        let indexed = EXPECTATIONS.due_at().replace("m.", "");
+        let indexed = Kind::Expectation.due_at().replace("m.", "");
         assert!(migration.contains(&format!("(({indexed}))")), "{indexed}");
-        assert!(lock_due_sql("t").contains(&format!("ORDER BY {}", EXPECTATIONS.due_at())));
+        assert!(lock_due_sql("t").contains(&format!("ORDER BY {}", Kind::Expectation.due_at())));
     }
 }

@@ -5,18 +5,15 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use super::print_json;
-use crate::cli::{Kind, PendingArgs};
+use crate::cli::PendingArgs;
 use crate::config::Settings;
-use crate::store::{DELAYED, EXPECTATIONS, PendingDelayed, PendingFilter, PendingRow, Store};
+use crate::store::{Kind, PendingDelayed, PendingFilter, PendingRow, Store};
 use crate::telemetry::Shown;
 
 /// The rows `args` asks to list (`None`: counts only). Any filter lists.
 fn filter(args: &PendingArgs) -> Option<PendingFilter> {
     let filter = PendingFilter {
-        kind: args.kind.map(|k| match k {
-            Kind::Expectation => EXPECTATIONS,
-            Kind::Delayed => DELAYED,
-        }),
+        kind: args.kind,
         process_id: args.process_id.clone(),
         message_type: args.message_type.clone(),
         owner: args.owner.clone(),
@@ -35,7 +32,7 @@ pub async fn pending(settings: &Settings, args: PendingArgs) -> anyhow::Result<E
         .await
         .context("counting expectations")?;
     let delayed = store
-        .counts(DELAYED, late)
+        .counts(Kind::Delayed, late)
         .await
         .context("counting delayed messages")?;
     let filter = filter(&args);

@@ -19,7 +19,7 @@ use sqlx::{AssertSqlSafe, Row};
 use uuid::Uuid;
 
 use crate::config::Settings;
-use crate::store::{Due, Store, StoreError};
+use crate::store::{Due, Kind, Store, StoreError};
 use crate::telemetry::Chain;
 
 /// The most rows a list or a search returns.
@@ -75,31 +75,6 @@ impl From<StoreError> for DbError {
 impl From<sqlx::Error> for DbError {
     fn from(e: sqlx::Error) -> Self {
         StoreError::Db(e).into()
-    }
-}
-
-/// A kind of row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub(super) enum Kind {
-    Expectation,
-    Delayed,
-}
-
-impl Kind {
-    pub(super) fn parse(s: &str) -> Option<Self> {
-        match s {
-            "expectation" => Some(Kind::Expectation),
-            "delayed" => Some(Kind::Delayed),
-            _ => None,
-        }
-    }
-
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            Kind::Expectation => "expectation",
-            Kind::Delayed => "delayed",
-        }
     }
 }
 

@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use serde::Serialize;
 
-use super::{DELAYED, PendingFilter, Store, StoreError, Window, lock_rows, safe};
+use super::{Kind, PendingFilter, Store, StoreError, Window, lock_rows, safe};
 
 /// One due delayed message, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -227,10 +227,10 @@ const FORGET: u32 = 100;
 /// `lock_rows`).
 pub fn lock_delayed_sql(table: &str) -> String {
     let (deadline, window, due_at, due) = (
-        DELAYED.deadline(),
-        DELAYED.window(),
-        DELAYED.due_at(),
-        DELAYED.due_columns(),
+        Kind::Delayed.deadline(),
+        Kind::Delayed.window(),
+        Kind::Delayed.due_at(),
+        Kind::Delayed.due_columns(),
     );
     format!(
         "SELECT m.id, m.owner, m.message_id, {deadline} AS deliver_at, m.exchange, \
@@ -259,14 +259,14 @@ pub(super) struct Statements {
 
 impl Statements {
     pub(super) fn new(schema: &str) -> Self {
-        let t = format!("{schema}.{}", DELAYED.name);
+        let t = format!("{schema}.{}", Kind::Delayed.table());
         let c = format!("{schema}.delayed_cancels");
         let u = format!("{schema}.delayed_usage");
         // The lock space of this schema's ingest, apart from other schemas and other
         // users of two-key advisory locks (a collision would only make them wait).
         let space = format!("hashtext('timeoutd.delayed_messages:{schema}')");
         let mask = CANCEL_BUCKETS - 1;
-        let deadline = DELAYED.deadline();
+        let deadline = Kind::Delayed.deadline();
         let cols = format!(
             "m.id, m.owner, m.message_id, {deadline} AS deliver_at, m.exchange, m.routing_key, \
              octet_length(m.body) AS body_bytes, m.attempts, m.last_error, \
@@ -579,7 +579,7 @@ impl Store {
         filter: &PendingFilter,
         limit: i64,
     ) -> Result<Vec<PendingDelayed>, StoreError> {
-        if !filter.admits(DELAYED) {
+        if !filter.admits(Kind::Delayed) {
             return Ok(Vec::new());
         }
         Ok(sqlx::query_as(safe(&self.sql.delayed.list))

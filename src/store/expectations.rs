@@ -9,9 +9,7 @@ use serde::Serialize;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{
-    DELAYED, EXPECTATIONS, PendingCounts, Store, StoreError, Table, Window, lock_rows, safe,
-};
+use super::{Kind, PendingCounts, Store, StoreError, Window, lock_rows, safe};
 
 /// One due row, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -72,8 +70,8 @@ pub struct PendingRow {
 /// field of one kind (a process id, an owner) leaves out every row of the other kind.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PendingFilter {
-    /// Rows of this kind only ([`EXPECTATIONS`] or [`DELAYED`]).
-    pub kind: Option<Table>,
+    /// Rows of this kind only ([`Kind::Expectation`] or [`Kind::Delayed`]).
+    pub kind: Option<Kind>,
     pub process_id: Option<String>,
     pub message_type: Option<String>,
     pub owner: Option<String>,
@@ -96,15 +94,15 @@ impl PendingFilter {
     }
 
     /// Whether it can match rows of `table` at all.
-    pub(super) fn admits(&self, table: Table) -> bool {
+    pub(super) fn admits(&self, kind: Kind) -> bool {
         let of_expectations = self.process_id.is_some() || self.message_type.is_some();
         let of_delayed = self.owner.is_some() || self.message_id.is_some();
-        let of_other = if table == DELAYED {
+        let of_other = if kind == Kind::Delayed {
             of_expectations
         } else {
             of_delayed
         };
-        !of_other && self.kind.is_none_or(|k| k == table)
+        !of_other && self.kind.is_none_or(|k| k == kind)
     }
 }
 
@@ -118,10 +116,10 @@ pub fn lock_due_sql(table: &str) -> String {
     // unknown until read, see `Store::payload`), so that a batch of large payloads
     // neither takes batch_size × max_message_size of memory nor holds up the lock.
     let (deadline, window, due_at, due) = (
-        EXPECTATIONS.deadline(),
-        EXPECTATIONS.window(),
-        EXPECTATIONS.due_at(),
-        EXPECTATIONS.due_columns(),
+        Kind::Expectation.deadline(),
+        Kind::Expectation.window(),
+        Kind::Expectation.due_at(),
+        Kind::Expectation.due_columns(),
     );
     let inline =
         "pg_column_compression(m.payload) IS NULL AND pg_column_size(m.payload)::int8 * 6 <= $2";
@@ -144,10 +142,10 @@ pub(super) struct Statements {
 
 impl Statements {
     pub(super) fn new(schema: &str) -> Self {
-        let t = format!("{schema}.{}", EXPECTATIONS.name);
+        let t = format!("{schema}.{}", Kind::Expectation.table());
         // A parked row's retry_at is 'infinity', which no client type holds: it is shown
         // as `parked` instead.
-        let deadline = EXPECTATIONS.deadline();
+        let deadline = Kind::Expectation.deadline();
         let cols = format!(
             "m.id, m.process_id, m.message_type, {deadline} AS timeout_at, m.exchange, \
              m.routing_key, m.attempts, m.last_error, \
@@ -219,7 +217,7 @@ impl Store {
 
     /// Counts for operators; `overdue` means due for longer than `late`.
     pub async fn pending_counts(&self, late: Duration) -> Result<PendingCounts, StoreError> {
-        self.counts(EXPECTATIONS, late).await
+        self.counts(Kind::Expectation, late).await
     }
 
     /// Peek at rows, earliest deadline first; never changes them.
@@ -228,7 +226,7 @@ impl Store {
         filter: &PendingFilter,
         limit: i64,
     ) -> Result<Vec<PendingRow>, StoreError> {
-        if !filter.admits(EXPECTATIONS) {
+        if !filter.admits(Kind::Expectation) {
             return Ok(Vec::new());
         }
         Ok(sqlx::query_as(safe(&self.sql.expectations.list))

@@ -3,7 +3,7 @@
 
 use uuid::Uuid;
 
-use super::{Store, StoreError, TABLES};
+use super::{Kind, Store, StoreError};
 
 /// The `application_name` of a node's firing sessions: how an operator tells them apart
 /// in `pg_stat_activity`, and how [`Store::fence`] finds them.
@@ -18,9 +18,9 @@ impl Store {
     /// database role, or `pg_signal_backend`.
     pub async fn fence(&self, nodes: &[Uuid]) -> Result<usize, StoreError> {
         let names: Vec<String> = nodes.iter().copied().map(session_name).collect();
-        let tables: Vec<String> = TABLES
+        let tables: Vec<String> = Kind::ALL
             .iter()
-            .map(|t| format!("{}.{}", self.schema, t.name))
+            .map(|t| format!("{}.{}", self.schema, t.table()))
             .collect();
         let ended: Vec<bool> = sqlx::query_scalar(
             // CASE: only a session that holds rows is ended (AND would not promise the order).

@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{Store, StoreError, Table, safe};
+use super::{Kind, Store, StoreError, safe};
 
 /// A publish that did not go through: the row stays and is retried after `delay`, or
 /// (`None`) is held for an operator (`retry_at = 'infinity'`): retrying cannot help.
@@ -78,7 +78,6 @@ pub enum Deletes {
 /// The writes of the firing transaction on one table, and its next-deadline probe.
 #[derive(Debug, Clone)]
 pub(super) struct Writes {
-    pub(super) table: Table,
     /// Run first in the firing transaction: takes the lock a delete takes, then asks the
     /// catalog whether anything may refuse a delete ([`Deletes`]). Why a savepoint is
     /// not simply always used: rows locked by the transaction and deleted in a
@@ -103,15 +102,14 @@ pub(super) struct Writes {
 }
 
 impl Writes {
-    pub(super) fn new(schema: &str, table: Table) -> Self {
-        let t = format!("{schema}.{}", table.name);
-        let (deadline, due_at) = (table.deadline(), table.due_at());
+    pub(super) fn new(schema: &str, kind: Kind) -> Self {
+        let t = format!("{schema}.{}", kind.table());
+        let (deadline, due_at) = (kind.deadline(), kind.due_at());
         // Epochs, not a difference of timestamps: '-infinity' - now() is an error before
         // Postgres 17, its epoch is minus infinity.
         let secs = format!("(extract(epoch FROM {due_at}) - extract(epoch FROM now()))::float8");
         let from = super::from_bound("$3");
         Self {
-            table,
             guard: format!(
                 "LOCK TABLE {t} IN ROW EXCLUSIVE MODE; \
                  SELECT EXISTS (SELECT FROM pg_catalog.pg_constraint \
@@ -189,12 +187,12 @@ impl Store {
     pub async fn settle(
         &self,
         tx: &mut PgConnection,
-        table: Table,
+        kind: Kind,
         deletes: Deletes,
         confirmed: &[Uuid],
         failures: &[Failure],
     ) -> Result<Settlement, StoreError> {
-        let w = self.writes(table)?;
+        let w = self.writes(kind);
         if deletes == Deletes::Direct {
             delete(tx, w, confirmed).await?;
             return charge_in_halves(tx, w, failures).await;
@@ -215,10 +213,10 @@ impl Store {
     /// let go is parked, as in [`Store::settle`].
     pub async fn delete_fired(
         &self,
-        table: Table,
+        kind: Kind,
         fired: &[Fired],
     ) -> Result<Settlement, StoreError> {
-        let w = self.writes(table)?;
+        let w = self.writes(kind);
         let mut tx = self.begin().await?;
         let refused = in_halves(&mut tx, w, fired, Write::DeleteFired).await?;
         let refused = refused.into_iter().map(|(f, r)| (f.id, r)).collect();
@@ -406,16 +404,12 @@ mod tests {
     use crate::store::Sql;
 
     #[test]
-    fn every_table_has_its_writes() {
+    fn every_kind_has_its_writes_in_its_place() {
         let sql = Sql::new("s");
-        for table in crate::store::TABLES {
-            let w = sql
-                .writes
-                .iter()
-                .find(|w| w.table == table)
-                .expect("writes");
-            assert!(w.delete.contains(&format!("s.{}", table.name)));
-            assert!(w.delete_fired.contains(&table.deadline()));
+        for kind in crate::store::Kind::ALL {
+            let w = &sql.writes[kind.index()];
+            assert!(w.delete.contains(&format!("s.{}", kind.table())));
+            assert!(w.delete_fired.contains(&kind.deadline()));
         }
     }
 }

@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use timeoutd::client::Expectation;
 use timeoutd::election::Role;
-use timeoutd::store::{DELAYED, Deletes, EXPECTATIONS, Store, Table};
+use timeoutd::store::{Deletes, Kind, Store};
 
 use crate::common::{Inbox, PATIENCE, World, wait_for, wait_for_async};
 
-async fn deletes(store: &Store, table: Table) -> Deletes {
-    let (tx, deletes) = store.begin_scan(table).await.expect("begin scan");
+async fn deletes(store: &Store, kind: Kind) -> Deletes {
+    let (tx, deletes) = store.begin_batch(kind).await.expect("begin batch");
     tx.rollback().await.expect("rollback");
     deletes
 }
@@ -86,16 +86,20 @@ async fn a_batch_deletes_in_savepoints_only_where_something_can_refuse() {
             Deletes::Guarded,
         ),
     ];
-    assert_eq!(deletes(&store, EXPECTATIONS).await, Deletes::Direct);
-    assert_eq!(deletes(&store, DELAYED).await, Deletes::Direct);
+    assert_eq!(deletes(&store, Kind::Expectation).await, Deletes::Direct);
+    assert_eq!(deletes(&store, Kind::Delayed).await, Deletes::Direct);
     for (add, remove, want) in cases {
         for step in add.split("; ") {
             world.exec(step).await;
         }
-        assert_eq!(deletes(&store, EXPECTATIONS).await, want, "after {add}");
+        assert_eq!(
+            deletes(&store, Kind::Expectation).await,
+            want,
+            "after {add}"
+        );
         world.exec(&remove).await;
         assert_eq!(
-            deletes(&store, EXPECTATIONS).await,
+            deletes(&store, Kind::Expectation).await,
             Deletes::Direct,
             "after {remove}"
         );
@@ -106,8 +110,8 @@ async fn a_batch_deletes_in_savepoints_only_where_something_can_refuse() {
             "CREATE TRIGGER r BEFORE DELETE ON {d} FOR EACH ROW EXECUTE FUNCTION {s}.refuse()"
         ))
         .await;
-    assert_eq!(deletes(&store, DELAYED).await, Deletes::Guarded);
-    assert_eq!(deletes(&store, EXPECTATIONS).await, Deletes::Direct);
+    assert_eq!(deletes(&store, Kind::Delayed).await, Deletes::Guarded);
+    assert_eq!(deletes(&store, Kind::Expectation).await, Deletes::Direct);
     store.close().await;
     world.cleanup().await;
 }

@@ -12,7 +12,7 @@
 //!   than a batch (a burst due at once) is taken in parts side by side, by every slot
 //!   the backlog leaves free.
 //! - **backlog**: rows overdue by more than `fresh` (after an outage, or a burst larger
-//!   than the on-time lane drains in time), locked oldest first, batch after batch while
+//!   than the on-time lane epoch in time), locked oldest first, batch after batch while
 //!   batches come back full.
 //!
 //! Deleted rows stay in the due index until vacuum, and a scan from its start walks all
@@ -33,8 +33,9 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 
-use crate::fire::DbClock;
-use crate::store::{Probe, Window};
+use super::clock::DbClock;
+use crate::kind::Kind;
+use crate::store::{NextDue, Window};
 
 /// How often a *sweep* (a backlog batch from the start of the due index) looks for rows
 /// written with a due time already behind where the scan stands: such a row, overdue by
@@ -110,7 +111,7 @@ pub(crate) struct Finished {
     /// Up to when it locked every row due (if it locked any).
     pub(crate) window_end: Option<DateTime<Utc>>,
     /// [`Pacer::epoch`] of its kind when it started.
-    pub(crate) began: u64,
+    pub(crate) epoch: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -139,11 +140,11 @@ struct KindState {
     /// When to probe the due index next (`None` while a probe is under way and nothing
     /// asked for another).
     probe_at: Option<Instant>,
-    /// A probe is under way, begun in `drains` (see [`KindState::restart_drain`]).
+    /// A probe is under way, begun in `epoch` (see [`KindState::restart_drain`]).
     probing: Option<u64>,
     /// How often the scan forgot where it stood: a probe begun before that must not
     /// teach it again (rows it saw held may be due again since).
-    drains: u64,
+    epoch: u64,
 }
 
 #[derive(Debug)]
@@ -152,6 +153,8 @@ pub(crate) struct Pacer {
     kinds: Vec<KindState>,
     /// The database clock as last read, to place notified due times on our clock.
     clock: Option<DbClock>,
+    /// The kind of each entry of `kinds`.
+    served: Vec<Kind>,
     /// The kind whose backlog goes first next time.
     turn: usize,
     /// Notifications arrive (the LISTEN connection is up): probes are a safety net.
@@ -159,15 +162,16 @@ pub(crate) struct Pacer {
 }
 
 impl Pacer {
-    /// `kinds` kinds of due rows, each probed at `now`.
-    pub(crate) fn new(config: Config, kinds: usize, now: Instant) -> Self {
+    /// The pacer of the scan of `kinds`, each probed at `now`.
+    pub(crate) fn new(config: Config, kinds: &[Kind], now: Instant) -> Self {
         let state = KindState {
             probe_at: Some(now),
             ..KindState::default()
         };
         Self {
             config,
-            kinds: vec![state; kinds],
+            kinds: vec![state; kinds.len()],
+            served: kinds.to_vec(),
             clock: None,
             turn: 0,
             listening: false,
@@ -203,16 +207,16 @@ impl Pacer {
     /// of the covered window, if any) and its `from` (where the scan stands). Each is
     /// under way until [`Pacer::probed`] or [`Pacer::probe_failed`]: one at a time per
     /// kind, and one asked for meanwhile follows it.
-    pub(crate) fn probes_due(&mut self, now: Instant) -> Vec<Probing> {
+    fn probes_due(&mut self, now: Instant) -> Vec<Probing> {
         self.kinds
             .iter_mut()
             .enumerate()
             .filter(|(_, k)| k.probing.is_none() && k.probe_at.is_some_and(|at| at <= now))
-            .map(|(kind, k)| {
+            .map(|(i, k)| {
                 k.probe_at = None;
-                k.probing = Some(k.drains);
+                k.probing = Some(k.epoch);
                 Probing {
-                    kind,
+                    kind: self.served[i],
                     after: k.covered,
                     from: k.from,
                 }
@@ -221,16 +225,19 @@ impl Pacer {
     }
 
     /// How often `kind`'s scan forgot where it stood so far: a batch started now passes
-    /// it back in [`Finished::began`]. One that began before the scan last forgot may
+    /// it back in [`Finished::epoch`]. One that began before the scan last forgot may
     /// have skipped rows another batch held then and let go since: what it covered
     /// proves nothing.
-    pub(crate) fn epoch(&self, kind: usize) -> u64 {
-        self.kinds[kind].drains
+    #[cfg(test)]
+    fn epoch(&self, kind: Kind) -> u64 {
+        self.position(kind).map_or(0, |i| self.kinds[i].epoch)
     }
 
     /// What a batch of `kind` in `lane` locks.
-    pub(crate) fn window(&self, kind: usize, lane: Lane) -> Window {
-        self.config.window(lane, self.kinds[kind].from)
+    #[cfg(test)]
+    fn window(&self, kind: Kind, lane: Lane) -> Window {
+        let from = self.position(kind).and_then(|i| self.kinds[i].from);
+        self.config.window(lane, from)
     }
 
     /// Kinds whose sweep is due get one backlog slot for it.
@@ -244,7 +251,10 @@ impl Pacer {
     }
 
     /// A probe of `kind` answered at `now` (its seconds count from about then).
-    pub(crate) fn probed(&mut self, kind: usize, now: Instant, probe: Probe) {
+    pub(crate) fn probed(&mut self, kind: Kind, now: Instant, probe: NextDue) {
+        let Some(kind) = self.position(kind) else {
+            return;
+        };
         self.clock = Some(DbClock {
             at: now,
             db: probe.now,
@@ -261,7 +271,7 @@ impl Pacer {
         };
         // Begun before the scan last forgot where it stood: what it saw held may be due
         // again.
-        let current = began.is_none_or(|d| d == k.drains);
+        let current = began.is_none_or(|d| d == k.epoch);
         k.backlog |= probe.earliest.is_some_and(|s| s < -fresh);
         // Nothing pending was due before the earliest row the probe saw; with none at
         // all, a row written from now on is due later, or fresh (the on-time lane's), or
@@ -286,14 +296,48 @@ impl Pacer {
     }
 
     /// A probe of `kind` failed: try again in a tick.
-    pub(crate) fn probe_failed(&mut self, kind: usize, now: Instant) {
+    pub(crate) fn probe_failed(&mut self, kind: Kind, now: Instant) {
+        let Some(kind) = self.position(kind) else {
+            return;
+        };
         let k = &mut self.kinds[kind];
         k.probing = None;
         k.probe_at = Some(now + self.config.tick);
     }
 
-    /// The batches to start now (each then counts as running until [`Pacer::finished`]).
-    pub(crate) fn starts(&mut self, now: Instant) -> Vec<(usize, Lane)> {
+    /// What to do now: the batches to start (each then counts as running until
+    /// [`Pacer::finished`] or [`Pacer::failed`]), then the probes to make (see
+    /// [`Pacer::probes_due`]). The probes come after the starts: an on-time start asks at
+    /// once for a probe past its window.
+    pub(crate) fn actions(&mut self, now: Instant) -> Vec<Action> {
+        let mut actions: Vec<Action> = self
+            .start_positions(now)
+            .into_iter()
+            .map(|(i, lane)| {
+                Action::Batch(Batch {
+                    kind: self.served[i],
+                    lane,
+                    window: self.config.window(lane, self.kinds[i].from),
+                    epoch: self.kinds[i].epoch,
+                })
+            })
+            .collect();
+        actions.extend(self.probes_due(now).into_iter().map(Action::Probe));
+        actions
+    }
+
+    /// The batches to start now, by kind and lane.
+    #[cfg(test)]
+    fn starts(&mut self, now: Instant) -> Vec<(Kind, Lane)> {
+        let starts = self.start_positions(now);
+        starts
+            .into_iter()
+            .map(|(i, lane)| (self.served[i], lane))
+            .collect()
+    }
+
+    /// The batches to start now, by position in `kinds`.
+    fn start_positions(&mut self, now: Instant) -> Vec<(usize, Lane)> {
         self.plan_sweeps(now);
         let mut starts = Vec::new();
         let mut free = self.config.concurrency.saturating_sub(self.running());
@@ -359,7 +403,10 @@ impl Pacer {
     }
 
     /// A batch of `kind` in `lane` ended at `now`.
-    pub(crate) fn finished(&mut self, kind: usize, lane: Lane, now: Instant, f: Finished) {
+    pub(crate) fn finished(&mut self, kind: Kind, lane: Lane, now: Instant, f: Finished) {
+        let Some(kind) = self.position(kind) else {
+            return;
+        };
         if let Some(clock) = f.clock {
             self.clock = Some(clock);
         }
@@ -369,7 +416,7 @@ impl Pacer {
             Lane::OnTime => {
                 k.on_time_running = k.on_time_running.saturating_sub(1);
                 k.on_time_more = f.full;
-                if f.began != k.drains {
+                if f.epoch != k.epoch {
                     // Begun before the scan forgot where it stood: see `epoch`.
                     k.probe_at = Some(now);
                 } else if f.full {
@@ -396,7 +443,7 @@ impl Pacer {
                 k.backlog_running = k.backlog_running.saturating_sub(1);
                 // Begun before the scan last stood back or forgot: rows it could not see
                 // may be pending, so it ends neither the drain's bound nor the backlog.
-                let current = f.began == k.drains;
+                let current = f.epoch == k.epoch;
                 if f.untouched == 0 && current {
                     // Every row due before its last one is sent or held by an earlier
                     // batch in flight (which starts over if it leaves rows behind). A
@@ -426,7 +473,10 @@ impl Pacer {
     }
 
     /// A batch of `kind` failed (the database): forget what we held, probe after `delay`.
-    pub(crate) fn failed(&mut self, kind: usize, lane: Lane, now: Instant, delay: Duration) {
+    pub(crate) fn failed(&mut self, kind: Kind, lane: Lane, now: Instant, delay: Duration) {
+        let Some(kind) = self.position(kind) else {
+            return;
+        };
         let k = &mut self.kinds[kind];
         match lane {
             Lane::OnTime => k.on_time_running = k.on_time_running.saturating_sub(1),
@@ -445,7 +495,7 @@ impl Pacer {
     /// starts `lead` before; a row overdue by more than `fresh` is the backlog's.
     pub(crate) fn notified(
         &mut self,
-        kind: Option<usize>,
+        kind: Option<Kind>,
         due: Option<DateTime<Utc>>,
         now: Instant,
     ) {
@@ -453,7 +503,7 @@ impl Pacer {
         let clock = self.clock;
         let fresh = chrono::Duration::from_std(self.config.fresh).unwrap_or(chrono::Duration::MAX);
         for (i, k) in self.kinds.iter_mut().enumerate() {
-            if kind.is_some_and(|kind| kind != i) {
+            if kind.is_some_and(|kind| kind != self.served[i]) {
                 continue;
             }
             let at = match (due, clock) {
@@ -517,6 +567,10 @@ impl Pacer {
         k.on_time_at.is_some_and(|at| at <= now) && (self.config.fresh_slots > 0 || !k.backlog)
     }
 
+    fn position(&self, kind: Kind) -> Option<usize> {
+        self.served.iter().position(|k| *k == kind)
+    }
+
     /// The next kind with a backlog, in turn.
     fn next_backlog(&mut self) -> Option<usize> {
         let n = self.kinds.len();
@@ -528,10 +582,29 @@ impl Pacer {
     }
 }
 
+/// What the scan task is to do now (see [`Pacer::actions`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Action {
+    /// Start a batch.
+    Batch(Batch),
+    /// Ask the due index when the next rows of a kind are due.
+    Probe(Probing),
+}
+
+/// A batch to start: of which kind, in which lane, over which window, and the pacer's
+/// epoch of its kind (passed back in [`Finished::epoch`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Batch {
+    pub(crate) kind: Kind,
+    pub(crate) lane: Lane,
+    pub(crate) window: Window,
+    pub(crate) epoch: u64,
+}
+
 /// What to probe: `kind`'s rows due at or after `from`, and its next row after `after`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Probing {
-    pub(crate) kind: usize,
+    pub(crate) kind: Kind,
     pub(crate) after: Option<DateTime<Utc>>,
     pub(crate) from: Option<DateTime<Utc>>,
 }
@@ -539,7 +612,7 @@ pub(crate) struct Probing {
 impl KindState {
     /// The next backlog batch and probe look from the start of the due index.
     fn restart_drain(&mut self) {
-        self.drains += 1;
+        self.epoch += 1;
         self.from = None;
         self.sweep_at = None;
         self.sweep = false;
@@ -552,7 +625,7 @@ impl KindState {
     /// the backlog this row is in.
     fn behind(&mut self, due: DateTime<Utc>) {
         self.backlog = true;
-        self.drains += 1;
+        self.epoch += 1;
         self.from = self.from.map(|from| from.min(due));
     }
 

@@ -13,29 +13,31 @@ use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 
+use super::row::Row;
+
 /// The largest rate difference between two clocks that NTP allows, as a fraction.
 const DRIFT: u32 = 2_000;
 
 /// The database clock as read by one statement (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DbClock {
+pub(crate) struct DbClock {
     /// When the statement's answer arrived.
-    pub at: Instant,
+    pub(crate) at: Instant,
     /// The database clock read by the statement (the latest of its rows' reads).
-    pub db: DateTime<Utc>,
+    pub(crate) db: DateTime<Utc>,
 }
 
 impl DbClock {
     /// The earliest local instant at which the database clock surely shows `t`: `at`
     /// itself for a time already past.
-    pub fn local(&self, t: DateTime<Utc>) -> Instant {
+    pub(crate) fn local(&self, t: DateTime<Utc>) -> Instant {
         let ahead = (t - self.db).to_std().unwrap_or_default();
         self.at + ahead + ahead / DRIFT
     }
 
     /// The database clock at the local instant `now`, as far as we know it: at most what
     /// it really shows, so a row sent at `local(t)` or later is stamped `t` or later.
-    pub fn db_at(&self, now: Instant) -> DateTime<Utc> {
+    pub(crate) fn db_at(&self, now: Instant) -> DateTime<Utc> {
         let since = now.saturating_duration_since(self.at);
         let since = since.saturating_sub(since / (DRIFT + 1));
         self.db + chrono::Duration::from_std(since).unwrap_or_default()
@@ -47,12 +49,18 @@ impl DbClock {
 /// timer wakes us on a millisecond tick, so rows due within it go out on that wake-up;
 /// holding the earlier ones until the last of a fixed slot would make them later by up
 /// to the slot's width.
-pub fn due_by(due: &[Instant], first: usize, now: Instant) -> Range<usize> {
+pub(crate) fn due_by(due: &[Instant], first: usize, now: Instant) -> Range<usize> {
     let end = first
         + due
             .get(first..)
             .map_or(0, |rest| rest.partition_point(|at| *at <= now));
     first..end.max((first + 1).min(due.len()))
+}
+
+/// The database clock of a lock statement that locked rows: the latest read among them.
+pub(super) fn read_clock<R: Row>(rows: &[R], at: Instant) -> Option<DbClock> {
+    let db = rows.iter().map(|r| r.due().fired_at).max()?;
+    Some(DbClock { at, db })
 }
 
 #[cfg(test)]

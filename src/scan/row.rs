@@ -1,0 +1,190 @@
+//! What a batch needs of one kind of due row: how its rows are locked and read, and what
+//! each becomes on the wire. Everything else (locking order, publishing, one fate per
+//! row, delete/charge/park, commit, leftovers) is the same for every kind and lives in
+//! `batch.rs` and the store, once.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::bus::PublishError;
+use crate::kind::Kind;
+use crate::store::{DelayedRow, DueRow, Store, StoreError, Window};
+use crate::wire::delayed::Destinations;
+use crate::wire::{self, Message};
+
+/// A due row of one kind, as its batch locked it.
+pub(crate) trait Row: Clone + Send + Sync + 'static {
+    const KIND: Kind;
+
+    /// Lock up to `limit` rows due within `window`, oldest first, skipping rows locked
+    /// elsewhere and `skip`; contents over `inline` bytes are left in the database
+    /// ([`Row::withheld`]).
+    fn lock_due(
+        store: &Store,
+        tx: &mut PgConnection,
+        limit: u32,
+        inline: usize,
+        skip: &[Uuid],
+        window: Window,
+    ) -> impl Future<Output = Result<Vec<Self>, StoreError>> + Send;
+
+    /// Read what `lock_due` left in the database into the row, if it is at most `max`
+    /// bytes (else [`Row::withheld`] then says how large it is). Returns the bytes read.
+    fn fetch_withheld(
+        &mut self,
+        store: &Store,
+        tx: &mut PgConnection,
+        max: usize,
+    ) -> impl Future<Output = Result<usize, StoreError>> + Send;
+
+    /// The message the row becomes, sent by `node`; a delayed message only where
+    /// `destinations` allow.
+    fn message(&self, node: Uuid, destinations: &Destinations) -> Result<Message, PublishError>;
+
+    /// Size of the content left in the database, if it was left there (0: not known
+    /// until read).
+    fn withheld(&self) -> Option<usize>;
+
+    /// The deadline it fired for (a row moved since then is not deleted for it).
+    fn deadline(&self) -> DateTime<Utc>;
+
+    /// The columns every kind's lock statement returns alike.
+    fn due(&self) -> Due<'_>;
+
+    /// Record when it is sent (its message says so): never before its due time.
+    fn set_fired_at(&mut self, at: DateTime<Utc>);
+}
+
+/// The columns every due row has, whatever its kind.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Due<'a> {
+    pub(crate) id: Uuid,
+    /// When it may be sent (the deadline, or a later retry time), by the database clock.
+    pub(crate) due_at: DateTime<Utc>,
+    /// Database clock when the row was locked; once sent, when it was sent.
+    pub(crate) fired_at: DateTime<Utc>,
+    /// The end of the window of due times the lock statement covered.
+    pub(crate) window_end: DateTime<Utc>,
+    pub(crate) attempts: i32,
+    pub(crate) exchange: &'a str,
+    pub(crate) routing_key: &'a str,
+}
+
+/// The process manager's expectations, fired as TimeOuts.
+impl Row for DueRow {
+    const KIND: Kind = Kind::Expectation;
+
+    async fn lock_due(
+        store: &Store,
+        tx: &mut PgConnection,
+        limit: u32,
+        inline: usize,
+        skip: &[Uuid],
+        window: Window,
+    ) -> Result<Vec<DueRow>, StoreError> {
+        store.lock_due(tx, limit, inline, skip, window).await
+    }
+
+    async fn fetch_withheld(
+        &mut self,
+        store: &Store,
+        tx: &mut PgConnection,
+        max: usize,
+    ) -> Result<usize, StoreError> {
+        store.payload(tx, self, max).await
+    }
+
+    fn message(&self, node: Uuid, _: &Destinations) -> Result<Message, PublishError> {
+        wire::timeout::timeout(self, node).map_err(|e| PublishError::Invalid(e.0))
+    }
+
+    fn withheld(&self) -> Option<usize> {
+        self.payload_withheld()
+    }
+
+    fn deadline(&self) -> DateTime<Utc> {
+        self.timeout_at
+    }
+
+    fn due(&self) -> Due<'_> {
+        Due {
+            id: self.id,
+            due_at: self.due_at,
+            fired_at: self.fired_at,
+            window_end: self.window_end,
+            attempts: self.attempts,
+            exchange: &self.exchange,
+            routing_key: &self.routing_key,
+        }
+    }
+
+    fn set_fired_at(&mut self, at: DateTime<Utc>) {
+        self.fired_at = at;
+    }
+}
+
+/// Messages published with a delay, delivered as they were.
+impl Row for DelayedRow {
+    const KIND: Kind = Kind::Delayed;
+
+    async fn lock_due(
+        store: &Store,
+        tx: &mut PgConnection,
+        limit: u32,
+        inline: usize,
+        skip: &[Uuid],
+        window: Window,
+    ) -> Result<Vec<DelayedRow>, StoreError> {
+        store
+            .lock_due_delayed(tx, limit, inline, skip, window)
+            .await
+    }
+
+    async fn fetch_withheld(
+        &mut self,
+        store: &Store,
+        tx: &mut PgConnection,
+        max: usize,
+    ) -> Result<usize, StoreError> {
+        // Its size is exact (`octet_length` of the bytea): a larger one is never read.
+        if self.body_withheld().is_some_and(|size| size > max) {
+            return Ok(0);
+        }
+        self.body = store.delayed_body(tx, self.id).await?;
+        Ok(self.body.as_ref().map_or(0, Vec::len))
+    }
+
+    /// Judged again here, not only at ingest: rows stored by an earlier version, under
+    /// an earlier configuration, or released by an operator.
+    fn message(&self, node: Uuid, destinations: &Destinations) -> Result<Message, PublishError> {
+        destinations
+            .check(&self.exchange)
+            .map_err(PublishError::NotAllowed)?;
+        wire::delayed::delivery(self, node).map_err(|e| PublishError::Invalid(e.0))
+    }
+
+    fn withheld(&self) -> Option<usize> {
+        self.body_withheld()
+    }
+
+    fn deadline(&self) -> DateTime<Utc> {
+        self.deliver_at
+    }
+
+    fn due(&self) -> Due<'_> {
+        Due {
+            id: self.id,
+            due_at: self.due_at,
+            fired_at: self.fired_at,
+            window_end: self.window_end,
+            attempts: self.attempts,
+            exchange: &self.exchange,
+            routing_key: &self.routing_key,
+        }
+    }
+
+    fn set_fired_at(&mut self, at: DateTime<Utc>) {
+        self.fired_at = at;
+    }
+}

@@ -1,0 +1,394 @@
+//! The scan task. While this node holds the lease it does what its [`Pacer`] says: rows
+//! that come due within `scan.horizon` are locked a little ahead and each is sent at its
+//! due time (by the database's clock: waking early or late never sends early); a backlog
+//! of overdue rows drains oldest first, batch after batch, with a share kept for rows
+//! coming due meanwhile. Postgres `NOTIFY` tells of new and moved due times; the due
+//! index is probed every `scan.probe_interval` besides (every tick while the LISTEN
+//! connection is down). Batches and probes run as tasks of their own, so a slow probe or
+//! a slow commit never delays a held row, nor the other kinds.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+use tokio::task::{Id, JoinError, JoinSet};
+
+use super::Scan;
+use super::batch::{BatchError, BatchOutcome};
+use super::checks::{self, health_backoff};
+use super::notice::{self, NOTICES, NoticeState, Notices};
+use super::pacer::{self, Action, Batch, Finished, Pacer, Probing};
+use super::report::{Summary, record};
+use crate::backoff::Backoff;
+use crate::bus::Bus;
+use crate::election::Role;
+use crate::health::Check;
+use crate::kind::Kind;
+use crate::store::{DelayedRow, DueRow, NextDue};
+use crate::telemetry::Chain;
+
+/// Rows overdue by more than this are a backlog (see `pacer`).
+pub(super) const FRESH: Duration = Duration::from_secs(1);
+/// An active node that ran no batch for this long closes the connections its batches
+/// opened, keeping one per kind for the probes; batches that come closer together than
+/// this reuse them.
+const ACTIVE_IDLE_AFTER: Duration = Duration::from_secs(10);
+/// Idle connections a passive node keeps in its pool: the one its checks, the pending
+/// counts and the delay ingress share (docs/operating/capacity.md).
+pub(crate) const PASSIVE_CONNECTIONS: usize = 1;
+
+/// The scan task of one node (runs for the daemon's whole life; idle while passive).
+pub(crate) async fn run(scan: Arc<Scan>) {
+    let settings = &scan.settings;
+    let (tx, rx) = mpsc::channel(NOTICES);
+    let state = Arc::new(NoticeState::default());
+    let mut notices = Notices { rx, state };
+    let mut lease = scan.lease.clone();
+    let mut bus = scan.bus.clone();
+    let mut summary = Summary::new();
+    let mut checked = Instant::now();
+    loop {
+        scan.status.beat(&scan.status.scan_beat);
+        let current = bus.borrow_and_update().clone();
+        let active = lease.borrow_and_update().role == Role::Active;
+        match current.filter(|_| active) {
+            Some(bus) => {
+                // LISTEN only while active: a passive node fires nothing, so notices are
+                // no use to it, and the connection would be one more per passive node.
+                // The look at every kind after LISTEN, and the pacer's probing every tick
+                // until then, cover what was written before.
+                scan.store.lean(false);
+                let listener = tokio::spawn(notice::listen(
+                    scan.clone(),
+                    tx.clone(),
+                    notices.state.clone(),
+                ));
+                active_spell(&scan, &bus, &mut notices, &mut summary).await;
+                listener.abort();
+                notices.state.listening.store(false, Ordering::Relaxed);
+            }
+            None => {
+                scan.store.lean(!active);
+                if !active && checked.elapsed() >= settings.election.announce_interval {
+                    // A check waiting on a slow database is no reason to delay a stop.
+                    tokio::select! {
+                        _ = scan.stop.cancelled() => {},
+                        _ = checks::check_while_passive(&scan) => {},
+                    }
+                    checked = Instant::now();
+                }
+                if !active {
+                    // One connection between checks: what the ingress or the last
+                    // active spell opened beyond it is closed (see `Store::trim`).
+                    scan.store.trim(PASSIVE_CONNECTIONS);
+                }
+                // Due times announced while passive are stale once active: it probes.
+                while notices.rx.try_recv().is_ok() {}
+                // Wake at least every tick so the liveness heartbeat keeps moving.
+                tokio::select! {
+                    _ = scan.stop.cancelled() => {},
+                    _ = lease.changed() => {},
+                    _ = bus.changed() => {},
+                    _ = tokio::time::sleep(settings.election.tick) => {},
+                }
+            }
+        }
+        if scan.stop.is_cancelled() {
+            break;
+        }
+    }
+    summary.flush();
+}
+
+/// The batches and probes under way, each with what it is (by task id: a task that
+/// panicked returns nothing to tell it by, and the pacer must still hear of its end).
+#[derive(Default)]
+struct InFlight {
+    batches: JoinSet<Result<BatchOutcome, BatchError>>,
+    batch_of: Vec<(Id, Batch)>,
+    probes: JoinSet<Probed>,
+    probe_of: Vec<(Id, Kind)>,
+}
+
+impl InFlight {
+    fn start(&mut self, scan: &Arc<Scan>, bus: &Arc<Bus>, action: Action) {
+        match action {
+            Action::Batch(batch) => {
+                tracing::trace!(kind = batch.kind.name(), lane = ?batch.lane, from = ?batch.window.from, "starting a batch");
+                let (scan, bus) = (scan.clone(), bus.clone());
+                let task = self.batches.spawn(async move {
+                    match batch.kind {
+                        Kind::Expectation => scan.run_batch::<DueRow>(&bus, batch.window).await,
+                        Kind::Delayed => scan.run_batch::<DelayedRow>(&bus, batch.window).await,
+                    }
+                });
+                self.batch_of.push((task.id(), batch));
+            }
+            // Read-only: one still under way when the spell ends is dropped.
+            Action::Probe(Probing { kind, after, from }) => {
+                tracing::trace!(kind = kind.name(), ?after, ?from, "probing");
+                let scan = scan.clone();
+                let task = self.probes.spawn(async move {
+                    let next = checks::probe(&scan, kind, after, from).await;
+                    Probed {
+                        at: Instant::now(),
+                        next,
+                    }
+                });
+                self.probe_of.push((task.id(), kind));
+            }
+        }
+    }
+}
+
+/// What a probe returns: when it answered, and the answer.
+struct Probed {
+    at: Instant,
+    next: Result<NextDue, String>,
+}
+
+/// What one spell as the active node keeps.
+struct Spell {
+    pacer: Pacer,
+    backoff: Backoff,
+}
+
+/// Fire as the pacer says until the lease is lost, the broker connection changes or we
+/// stop; then wait for the batches in flight (each commits or rolls back as a whole).
+async fn active_spell(
+    scan: &Arc<Scan>,
+    bus: &Arc<Bus>,
+    notices: &mut Notices,
+    summary: &mut Summary,
+) {
+    let kinds = scan.kinds();
+    let mut spell = Spell {
+        pacer: Pacer::new(pacing(scan), &kinds, Instant::now()),
+        backoff: health_backoff(&scan.settings),
+    };
+    // Probes run as tasks too: one walking many deleted index entries (seconds after a
+    // large drain) holds up neither the other kinds nor the batches' starts.
+    let mut in_flight = InFlight::default();
+    let mut lease = scan.lease.clone();
+    let mut bus_rx = scan.bus.clone();
+    let mut busy_at = Instant::now();
+    loop {
+        scan.status.beat(&scan.status.scan_beat);
+        let pacer = &mut spell.pacer;
+        if !in_flight.batches.is_empty() {
+            busy_at = Instant::now();
+        } else if busy_at.elapsed() >= ACTIVE_IDLE_AFTER {
+            // Idle: the connections the batches opened are closed; the probes' stay.
+            scan.store.trim(kinds.len());
+        }
+        let listening = notices.state.listening.load(Ordering::Relaxed);
+        pacer.listening(listening, Instant::now());
+        if notices.state.lost.swap(false, Ordering::Relaxed) {
+            pacer.notified(None, None, Instant::now());
+        }
+        if in_flight.batches.is_empty() {
+            let chores = async {
+                scan.settle_leftovers().await;
+                checks::recheck_publish(scan).await;
+            };
+            // Leftovers not settled now are fired again by the next active node, as
+            // they would be if this node had died: a stop does not wait on the database
+            // for them.
+            tokio::select! {
+                _ = scan.stop.cancelled() => break,
+                _ = chores => {},
+            }
+        }
+        for action in pacer.actions(Instant::now()) {
+            in_flight.start(scan, bus, action);
+        }
+        let wake = pacer.wake_at(Instant::now());
+        tracing::trace!(in_ = ?wake.saturating_duration_since(Instant::now()), running = pacer.running(), "sleeping");
+        tokio::select! {
+            _ = scan.stop.cancelled() => break,
+            _ = lease.changed() => if lease.borrow_and_update().role != Role::Active { break },
+            // A clone of the shared receiver starts with its version unseen: only another
+            // connection ends this loop, or every batch would wait for the whole drain.
+            _ = bus_rx.changed() => if !still_on(&mut bus_rx, bus) { break },
+            Some(joined) = in_flight.batches.join_next_with_id(), if !in_flight.batches.is_empty() => {
+                finished(scan, &mut spell, summary, &mut in_flight, joined);
+            }
+            Some(joined) = in_flight.probes.join_next_with_id(), if !in_flight.probes.is_empty() => {
+                probed(scan, &mut spell.pacer, &mut in_flight, joined);
+            }
+            Some(n) = notices.rx.recv() => {
+                tracing::trace!(?n, "notified");
+                pacer.notified(n.kind, n.due, Instant::now());
+            }
+            _ = tokio::time::sleep_until(wake.into()) => {}
+        }
+    }
+    // The batches have until the stop's grace, should a stop come (now or while they
+    // finish): each commits, or rolls back when it is dropped (its transaction with it).
+    let all_ended = {
+        let joined = async {
+            while let Some(joined) = in_flight.batches.join_next_with_id().await {
+                finished(scan, &mut spell, summary, &mut in_flight, joined);
+            }
+        };
+        let grace_spent = async {
+            scan.stop.cancelled().await;
+            tokio::time::sleep_until(scan.stopping.grace_until().into()).await;
+        };
+        tokio::select! {
+            _ = joined => true,
+            _ = grace_spent => false,
+        }
+    };
+    if !all_ended {
+        abandon_batches(scan, &mut in_flight);
+    }
+}
+
+fn pacing(scan: &Scan) -> pacer::Config {
+    let (s, tick) = (&scan.settings.scan, scan.settings.election.tick);
+    pacer::Config {
+        horizon: s.horizon,
+        lead: pacer::Config::lead_for(s.horizon),
+        fresh: FRESH,
+        concurrency: s.concurrency as usize,
+        fresh_slots: s.fresh_slots as usize,
+        tick,
+        probe_interval: s.probe_interval.max(tick),
+    }
+}
+
+/// Give up the batches still in flight when the stop's grace is spent. Whatever they
+/// published without committing is published again by the next active node, with the
+/// same `message_id` (the contract's "cannot know whether it was delivered").
+fn abandon_batches(scan: &Scan, in_flight: &mut InFlight) {
+    in_flight.batches.abort_all();
+    let kinds: Vec<&str> = in_flight
+        .batch_of
+        .iter()
+        .map(|(_, b)| b.kind.name())
+        .collect();
+    scan.stopping.abandon(format!(
+        "{} scan batch(es) in flight ({}): not known to be committed; rows they published \
+         may be published again",
+        kinds.len(),
+        kinds.join(", ")
+    ));
+}
+
+/// Whether the shared connection is still `bus` (marks the news seen).
+fn still_on(rx: &mut watch::Receiver<Option<Arc<Bus>>>, bus: &Arc<Bus>) -> bool {
+    rx.borrow_and_update()
+        .as_ref()
+        .is_some_and(|now| Arc::ptr_eq(now, bus))
+}
+
+/// The id of a joined task, whether it returned or panicked.
+fn task_id<T>(joined: &Result<(Id, T), JoinError>) -> Id {
+    joined.as_ref().map_or_else(|e| e.id(), |(id, _)| *id)
+}
+
+/// Take what `id` was out of `of`.
+fn take<T>(of: &mut Vec<(Id, T)>, id: Id) -> Option<T> {
+    let i = of.iter().position(|(task, _)| *task == id)?;
+    Some(of.swap_remove(i).1)
+}
+
+/// A probe answered: tell the pacer.
+fn probed(
+    scan: &Scan,
+    pacer: &mut Pacer,
+    in_flight: &mut InFlight,
+    joined: Result<(Id, Probed), JoinError>,
+) {
+    let Some(kind) = take(&mut in_flight.probe_of, task_id(&joined)) else {
+        return;
+    };
+    let Probed { at, next } = match joined {
+        Ok((_, probed)) => probed,
+        Err(e) => {
+            // A panic is a bug; the kind is probed again in a tick.
+            tracing::error!(error = %e, "a probe failed");
+            Probed {
+                at: Instant::now(),
+                next: Err(e.to_string()),
+            }
+        }
+    };
+    scan.health.record(Check::Postgres, &next);
+    match next {
+        Ok(next) => {
+            tracing::trace!(kind = kind.name(), ?next, "probed");
+            scan.status.saw_due(kind.name(), next.earliest, next.start);
+            pacer.probed(kind, at, next)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, kind = kind.name(), "cannot probe the due rows");
+            scan.status.update(|s| s.database_ok = Some(false));
+            pacer.probe_failed(kind, at);
+        }
+    }
+}
+
+/// One batch ended: record it and tell the pacer.
+fn finished(
+    scan: &Scan,
+    spell: &mut Spell,
+    summary: &mut Summary,
+    in_flight: &mut InFlight,
+    joined: Result<(Id, Result<BatchOutcome, BatchError>), JoinError>,
+) {
+    let now = Instant::now();
+    let Some(Batch {
+        kind, lane, epoch, ..
+    }) = take(&mut in_flight.batch_of, task_id(&joined))
+    else {
+        return;
+    };
+    let (pacer, backoff) = (&mut spell.pacer, &mut spell.backoff);
+    let result = match joined {
+        Ok((_, result)) => result,
+        Err(e) => {
+            // A panic is a bug; its transaction was dropped, which rolls it back. Its rows
+            // are due again: the pacer forgets what it held.
+            tracing::error!(error = %e, "a scan batch failed");
+            pacer.failed(kind, lane, now, backoff.next_delay());
+            return;
+        }
+    };
+    scan.health.record(Check::Postgres, &result);
+    match result {
+        Ok(outcome) => {
+            backoff.reset();
+            record(scan, kind, &outcome, summary);
+            let full = outcome.locked >= scan.settings.scan.batch_size as usize;
+            pacer.finished(
+                kind,
+                lane,
+                now,
+                Finished {
+                    locked: outcome.locked,
+                    full,
+                    untouched: outcome.untouched,
+                    clock: outcome.clock,
+                    last_due: outcome.last_due,
+                    window_end: outcome.window_end,
+                    epoch,
+                },
+            );
+        }
+        Err(e) => {
+            let delay = backoff.next_delay();
+            if scan.stop.is_cancelled() {
+                // The stop closes the pools first: a batch begun at that instant finds
+                // its pool closed, which is the stop, not a failure.
+                tracing::debug!(error = %Chain(&e), kind = kind.name(), "scan ended by the stop");
+            } else {
+                tracing::error!(error = %Chain(&e), kind = kind.name(), retry_in = ?delay, "scan failed");
+            }
+            scan.status.update(|s| s.database_ok = Some(false));
+            pacer.failed(kind, lane, now, delay);
+        }
+    }
+}
