@@ -32,6 +32,7 @@ use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
 use crate::config::{Secret, Settings};
+use crate::metrics::Metrics;
 use crate::status::{DueSeen, Snapshot, Status};
 use crate::telemetry::LogLimiter;
 
@@ -159,6 +160,7 @@ impl Refusal {
 /// The console's state, shared by its handlers.
 pub(crate) struct Console {
     status: Arc<Status>,
+    metrics: Arc<Metrics>,
     admin: Option<Token>,
     read: Option<Token>,
     db: Db,
@@ -166,9 +168,15 @@ pub(crate) struct Console {
 }
 
 /// The console's routes (with `console.enabled`), to merge into the HTTP server's.
-pub(crate) fn routes(settings: &Settings, node_id: Uuid, status: Arc<Status>) -> Router {
+pub(crate) fn routes(
+    settings: &Settings,
+    node_id: Uuid,
+    status: Arc<Status>,
+    metrics: Arc<Metrics>,
+) -> Router {
     let console = Arc::new(Console {
         status,
+        metrics,
         admin: Token::new(&settings.console.admin_token),
         read: Token::new(&settings.console.read_token),
         db: Db::new(settings, node_id),
@@ -221,7 +229,7 @@ fn error(status: StatusCode, text: &str) -> Response {
 impl Console {
     /// Count and (rate-limited) log a refusal, and answer it.
     fn refuse(&self, refusal: Refusal, what: &str) -> Response {
-        self.status.metrics.console_refused(refusal.reason());
+        self.metrics.console_refused(refusal.reason());
         let mut quiet = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(suppressed) = quiet.allow(Instant::now()) {
             tracing::warn!(
@@ -297,7 +305,7 @@ impl Console {
     fn failed(&self, e: DbError) -> Response {
         match e {
             DbError::Busy(why) => {
-                self.status.metrics.console_refused("busy");
+                self.metrics.console_refused("busy");
                 error(StatusCode::SERVICE_UNAVAILABLE, &why)
             }
             DbError::Refused(why) => error(StatusCode::CONFLICT, &why),
@@ -364,7 +372,7 @@ struct Summary {
 async fn summary(State(c): State<Arc<Console>>) -> Json<Summary> {
     Json(Summary {
         node: c.status.snapshot(),
-        pending: c.status.metrics.pending_summary(),
+        pending: c.metrics.pending_summary(),
         due: c.status.due_seen(),
         rows: c.admin.is_some() || c.read.is_some(),
         actions: c.admin.is_some(),
@@ -449,9 +457,7 @@ async fn action(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) 
         Ok(false) => "no_change",
         Err(_) => "error",
     };
-    c.status
-        .metrics
-        .console_action(kind.name(), what.name(), result);
+    c.metrics.console_action(kind.name(), what.name(), result);
     match done {
         Ok(done) => {
             tracing::info!(

@@ -32,6 +32,7 @@ use crate::fence::{self, Fence};
 use crate::health::Health;
 use crate::http;
 use crate::ingress::{self, Intake};
+use crate::metrics::Metrics;
 use crate::node::{Node, NodeLoop};
 use crate::scan::{self, Scan};
 pub use crate::shutdown::Exit;
@@ -97,7 +98,13 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     store.lean(true);
     let observer = Store::observer(&settings.postgres, &format!("timeoutd-{node_id}-observe"))?;
     let health = Arc::new(Health::default());
-    let status = Arc::new(Status::new(&settings, node_id, health.clone()));
+    let metrics = Arc::new(Metrics::new(&settings.election.group, node_id));
+    let status = Arc::new(Status::new(
+        &settings,
+        node_id,
+        health.clone(),
+        metrics.clone(),
+    ));
     let limits = http::Limits {
         max_per_client: settings.http.max_connections_per_client as usize,
         lifetime: settings.http.connection_lifetime,
@@ -105,7 +112,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let console = settings
         .console
         .enabled
-        .then(|| console::routes(&settings, node_id, status.clone()));
+        .then(|| console::routes(&settings, node_id, status.clone(), metrics.clone()));
     let serving = if console.is_some() {
         "serving /healthz /readyz /status /metrics /console"
     } else {
@@ -131,6 +138,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         store: store.clone(),
         role: role_rx.clone(),
         status: status.clone(),
+        metrics: metrics.clone(),
         departed: departed_rx,
         stop: stop.clone(),
     };
@@ -138,6 +146,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         settings: settings.clone(),
         node_id,
         status: status.clone(),
+        metrics: metrics.clone(),
         health: health.clone(),
         bus: bus_tx,
         lease: lease_tx,
@@ -151,6 +160,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         store: store.clone(),
         bus: bus_rx.clone(),
         status: status.clone(),
+        metrics: metrics.clone(),
         stop: stop.clone(),
     });
     let scan = Scan {
@@ -161,7 +171,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         store: store.clone(),
         bus: bus_rx.clone(),
         lease: lease_rx,
-        metrics: status.metrics.clone(),
+        metrics: metrics.clone(),
         status: status.clone(),
         health,
         stop: stop.clone(),
@@ -176,7 +186,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         intake,
         observer,
         role: role_rx.clone(),
-        status: status.clone(),
+        metrics,
     };
     let stops = Stops {
         asked: asked.clone(),
@@ -205,7 +215,7 @@ struct Tasks {
     /// The pending gauges' connection while active (see `status::Counting`).
     observer: Store,
     role: watch::Receiver<Role>,
-    status: Arc<Status>,
+    metrics: Arc<Metrics>,
 }
 
 /// The stop as the supervisor sees it.
@@ -273,9 +283,9 @@ async fn supervise(
         pool: store.clone(),
         role: tasks.role,
     };
-    let (status, counted, halt) = (tasks.status, settings.clone(), stops.stop.clone());
+    let (metrics, counted, halt) = (tasks.metrics, settings.clone(), stops.stop.clone());
     let task = set.spawn(async move {
-        status::count_pending(status, counting, counted, halt).await;
+        status::count_pending(metrics, counting, counted, halt).await;
         (Task::PendingCounts, Ok(Exit::Stopped))
     });
     running.push((task.id(), Task::PendingCounts));

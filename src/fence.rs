@@ -30,6 +30,7 @@ use uuid::Uuid;
 
 use crate::config::Settings;
 use crate::election::Role;
+use crate::metrics::Metrics;
 use crate::status::{MemberStatus, Status};
 use crate::store::{Store, bounded};
 use crate::telemetry::{Chain, LogLimiter};
@@ -47,6 +48,7 @@ pub(crate) struct Fence {
     pub(crate) store: Store,
     pub(crate) role: watch::Receiver<Role>,
     pub(crate) status: Arc<Status>,
+    pub(crate) metrics: Arc<Metrics>,
     /// Members the election saw depart (`election::Output::Departed`).
     pub(crate) departed: mpsc::Receiver<Uuid>,
     pub(crate) stop: CancellationToken,
@@ -90,7 +92,7 @@ pub(crate) async fn fence_loop(mut f: Fence) {
                     ?nodes,
                     "ended the database sessions of departed or withdrawn nodes that held rows locked"
                 );
-                f.status.metrics.fenced(ended);
+                f.metrics.fenced(ended);
             }
             Err(e) => {
                 if let Some(held_back) = warn.allow(now) {

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::bus::{Arrived, Bus, BusError, InTheWay, Ingress, IngressSpec};
 use crate::config::Settings;
+use crate::metrics::Metrics;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{IngressStatus, Status};
 use crate::store::{Bound, Held, Ingest, IngestOutcome, Quota, Store, StoreError, Stored, bounded};
@@ -35,6 +36,7 @@ pub(crate) struct Intake {
     pub(crate) store: Store,
     pub(crate) bus: watch::Receiver<Option<Arc<Bus>>>,
     pub(crate) status: Arc<Status>,
+    pub(crate) metrics: Arc<Metrics>,
     pub(crate) stop: CancellationToken,
 }
 
@@ -112,7 +114,7 @@ impl Intake {
     }
 
     fn set_consuming(&self, consuming: bool, error: Option<String>) {
-        self.status.metrics.set_ingress_consuming(consuming);
+        self.metrics.set_ingress_consuming(consuming);
         self.status.update(|s| {
             let i = s.ingress.get_or_insert_with(IngressStatus::default);
             i.consuming = consuming;
@@ -301,7 +303,7 @@ async fn take_in(ctx: &Intake, batch: Vec<Arrived>, judge: &Judge) -> Result<Opt
         .map(|a| delayed::ingest(a.message, &judge.rules, now))
         .collect();
     let outcome = store(ctx, &items, judge.quota).await?;
-    ctx.status.metrics.ingested(&outcome, arrived.elapsed());
+    ctx.metrics.ingested(&outcome, arrived.elapsed());
     ctx.status.update(|s| {
         if let Some(i) = s.ingress.as_mut() {
             i.stored_total += outcome.stored;
@@ -443,7 +445,7 @@ async fn store_alone(ctx: &Intake, items: &[Ingest], quota: Quota) -> Result<Ing
             }
             Err(e) => {
                 tracing::error!(error = %Chain(&e), "a delayed message could not be stored at all: dropped");
-                ctx.status.metrics.ingest_dropped();
+                ctx.metrics.ingest_dropped();
             }
         }
     }

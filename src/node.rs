@@ -30,6 +30,7 @@ pub(crate) struct Node {
     pub(crate) settings: Arc<Settings>,
     pub(crate) node_id: Uuid,
     pub(crate) status: Arc<Status>,
+    pub(crate) metrics: Arc<Metrics>,
     pub(crate) health: Arc<Health>,
     pub(crate) bus: watch::Sender<Option<Arc<Bus>>>,
     pub(crate) lease: watch::Sender<LeaseView>,
@@ -74,7 +75,7 @@ enum Ended {
 
 impl NodeLoop {
     fn metrics(&self) -> &Metrics {
-        &self.ctx.status.metrics
+        &self.ctx.metrics
     }
 
     pub(crate) fn new(ctx: Node) -> Self {

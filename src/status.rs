@@ -89,7 +89,7 @@ pub struct Status {
     pub(crate) scan_beat: AtomicU64,
     stall_after: Duration,
     health: Arc<Health>,
-    pub metrics: Arc<Metrics>,
+    metrics: Arc<Metrics>,
     /// The earliest due row of each kind, as the scan last probed it.
     due_seen: RwLock<Vec<DueSeen>>,
 }
@@ -106,7 +106,12 @@ pub struct DueSeen {
 }
 
 impl Status {
-    pub(crate) fn new(settings: &Settings, node_id: Uuid, health: Arc<Health>) -> Self {
+    pub(crate) fn new(
+        settings: &Settings,
+        node_id: Uuid,
+        health: Arc<Health>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let s = settings;
         Self {
             started: Instant::now(),
@@ -116,7 +121,7 @@ impl Status {
             stall_after: 2
                 * (s.amqp.connect_timeout + s.postgres.statement_timeout + s.backoff.max),
             health,
-            metrics: Arc::new(Metrics::new(&s.election.group, node_id)),
+            metrics,
             due_seen: RwLock::default(),
         }
     }
@@ -269,7 +274,7 @@ impl Counting {
 /// node, and cache the counts in the metrics. "Overdue" means due for longer than a
 /// tick. A failure leaves the last counts, whose age the metrics show.
 pub(crate) async fn count_pending(
-    status: Arc<Status>,
+    metrics: Arc<Metrics>,
     counting: Counting,
     settings: Arc<Settings>,
     stop: CancellationToken,
@@ -292,7 +297,7 @@ pub(crate) async fn count_pending(
                 }
             };
             match counted {
-                Ok(Some((c, age))) => status.metrics.set_pending(kind.name(), c, age),
+                Ok(Some((c, age))) => metrics.set_pending(kind.name(), c, age),
                 Ok(None) => {}
                 Err(e) => {
                     if let Some(suppressed) = quiet.allow(Instant::now()) {

@@ -143,8 +143,8 @@ impl Scan {
         let mut outcome = BatchOutcome {
             locked: rows.len(),
             clock: clock::read_clock(&rows, read_at),
-            last_due: rows.last().map(|r| r.due().due_at),
-            window_end: rows.first().map(|r| r.due().window_end),
+            last_due: rows.last().map(|r| r.locked().due_at),
+            window_end: rows.first().map(|r| r.locked().window_end),
             steps: vec![(Step::Lock, started.elapsed())],
             ..BatchOutcome::default()
         };
@@ -231,7 +231,10 @@ impl Scan {
         lease: &impl Fn() -> Lease,
         outcome: &mut BatchOutcome,
     ) -> Judged {
-        let due: Vec<Instant> = rows.iter().map(|r| clock.local(r.due().due_at)).collect();
+        let due: Vec<Instant> = rows
+            .iter()
+            .map(|r| clock.local(r.locked().due_at))
+            .collect();
         let mut judged = Judged::default();
         let mut in_flight = FuturesUnordered::new();
         let mut reader = Reader::new(large);
@@ -344,7 +347,13 @@ impl Scan {
     /// The fates of one slot's rows, and its publish and confirm steps.
     fn take_slot<R: Row>(
         &self,
-        (started, positions, alone, published, done): SlotDone,
+        SlotDone {
+            started,
+            positions,
+            alone,
+            published,
+            ended,
+        }: SlotDone,
         rows: &[R],
         outcome: &mut BatchOutcome,
         judged: &mut Judged,
@@ -355,7 +364,7 @@ impl Scan {
                 .push((Step::Publish, sent.saturating_duration_since(started)));
             outcome
                 .steps
-                .push((Step::Confirm, done.saturating_duration_since(sent)));
+                .push((Step::Confirm, ended.saturating_duration_since(sent)));
         }
         judged.trouble = judged.trouble.take().or(published.trouble);
         let sent = positions.iter().zip(alone).zip(published.fates);
@@ -398,18 +407,18 @@ impl Scan {
     /// A row's message as the bus takes it: alone if its last one's fate was unknown.
     pub(super) fn to_publish<R: Row>(&self, row: &R) -> Result<ToPublish, PublishError> {
         let message = self.message::<R>(row)?;
-        let alone = self.memory.suspect(row.due().id);
+        let alone = self.memory.suspect(row.locked().id);
         Ok(ToPublish { message, alone })
     }
 
     fn judge<R: Row>(&self, row: &R, alone: bool, fate: Fate, judged: &mut Judged) {
-        let fate = self.memory.judge(row.due().id, alone, fate);
+        let fate = self.memory.judge(row.locked().id, alone, fate);
         match fate {
-            Fate::Confirmed => judged.fired.push(row.due().id),
+            Fate::Confirmed => judged.fired.push(row.locked().id),
             Fate::Failed(e) => judged.fail(self.failure::<R>(row, &e)),
             Fate::Unsent => judged.untouched += 1,
             Fate::Unknown(why) => {
-                tracing::warn!(id = %row.due().id, kind = R::KIND.name(), "message may or may not have \
+                tracing::warn!(id = %row.locked().id, kind = R::KIND.name(), "message may or may not have \
                     been delivered (channel closed before its confirm: {why}); it will be \
                     sent again, alone");
                 judged.untouched += 1;
@@ -418,16 +427,16 @@ impl Scan {
     }
 
     pub(super) fn failure<R: Row>(&self, row: &R, error: &PublishError) -> (Failure, &'static str) {
-        let attempts = u32::try_from(row.due().attempts).unwrap_or(0);
-        let due = row.due();
+        let attempts = u32::try_from(row.locked().attempts).unwrap_or(0);
+        let due = row.locked();
         let (exchange, routing_key) = (due.exchange, due.routing_key);
         tracing::warn!(
-            id = %row.due().id, kind = R::KIND.name(), exchange, routing_key,
+            id = %row.locked().id, kind = R::KIND.name(), exchange, routing_key,
             attempts = attempts.saturating_add(1), reason = error.reason(),
             "{} not published: {error}", R::KIND.message()
         );
         let failure = Failure {
-            id: row.due().id,
+            id: row.locked().id,
             error: error.to_string(),
             delay: (!error.holds()).then(|| {
                 backoff::exponential(self.limits.retry_min, self.limits.retry_max, attempts)
@@ -448,9 +457,18 @@ impl Scan {
     }
 }
 
-/// A slot sent: when it started, its rows' positions in the batch and whether each went
-/// alone, their fates, when it ended.
-type SlotDone = (Instant, Vec<usize>, Vec<bool>, Published, Instant);
+/// A slot sent.
+struct SlotDone {
+    /// When its messages were built.
+    started: Instant,
+    /// Its rows' positions in the batch, and whether each went alone.
+    positions: Vec<usize>,
+    alone: Vec<bool>,
+    /// Their fates, in the same order.
+    published: Published,
+    /// When the last fate was known.
+    ended: Instant,
+}
 
 /// Messages to publish together, and the positions of their rows in the batch.
 pub(super) struct Sending {
@@ -475,14 +493,13 @@ impl Sending {
 
     async fn send(self, bus: &Bus, budget: &Budget) -> SlotDone {
         let published = bus.publish_batch(&self.messages, budget).await;
-        let alone: Vec<bool> = self.messages.iter().map(|m| m.alone).collect();
-        (
-            self.started,
-            self.positions,
-            alone,
+        SlotDone {
+            started: self.started,
+            positions: self.positions,
+            alone: self.messages.iter().map(|m| m.alone).collect(),
             published,
-            Instant::now(),
-        )
+            ended: Instant::now(),
+        }
     }
 }
 
@@ -514,9 +531,9 @@ impl Judged {
 fn fired_rows<R: Row>(rows: &[R], fired: &[Uuid]) -> Vec<Fired> {
     let fired: HashSet<&Uuid> = fired.iter().collect();
     rows.iter()
-        .filter(|r| fired.contains(&r.due().id))
+        .filter(|r| fired.contains(&r.locked().id))
         .map(|r| Fired {
-            id: r.due().id,
+            id: r.locked().id,
             deadline: r.deadline(),
         })
         .collect()
@@ -525,9 +542,9 @@ fn fired_rows<R: Row>(rows: &[R], fired: &[Uuid]) -> Vec<Fired> {
 fn lateness<R: Row>(rows: &[R], fired: &[Uuid]) -> Vec<Duration> {
     let fired: HashSet<&Uuid> = fired.iter().collect();
     rows.iter()
-        .filter(|r| fired.contains(&r.due().id))
+        .filter(|r| fired.contains(&r.locked().id))
         .map(|r| {
-            (r.due().fired_at - r.deadline())
+            (r.locked().fired_at - r.deadline())
                 .to_std()
                 .unwrap_or_default()
         })

@@ -146,7 +146,7 @@ impl Scan {
             let Some(&i) = done
                 .positions
                 .iter()
-                .find(|&&i| rows[i].due().id == row.due().id)
+                .find(|&&i| rows[i].locked().id == row.locked().id)
             else {
                 continue;
             };

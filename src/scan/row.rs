@@ -50,7 +50,7 @@ pub(crate) trait Row: Clone + Send + Sync + 'static {
     fn deadline(&self) -> DateTime<Utc>;
 
     /// The columns every kind's lock statement returns alike.
-    fn due(&self) -> Due<'_>;
+    fn locked(&self) -> Locked<'_>;
 
     /// Record when it is sent (its message says so): never before its due time.
     fn set_fired_at(&mut self, at: DateTime<Utc>);
@@ -58,7 +58,7 @@ pub(crate) trait Row: Clone + Send + Sync + 'static {
 
 /// The columns every due row has, whatever its kind.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Due<'a> {
+pub(crate) struct Locked<'a> {
     pub(crate) id: Uuid,
     /// When it may be sent (the deadline, or a later retry time), by the database clock.
     pub(crate) due_at: DateTime<Utc>,
@@ -107,8 +107,8 @@ impl Row for DueRow {
         self.timeout_at
     }
 
-    fn due(&self) -> Due<'_> {
-        Due {
+    fn locked(&self) -> Locked<'_> {
+        Locked {
             id: self.id,
             due_at: self.due_at,
             fired_at: self.fired_at,
@@ -172,8 +172,8 @@ impl Row for DelayedRow {
         self.deliver_at
     }
 
-    fn due(&self) -> Due<'_> {
-        Due {
+    fn locked(&self) -> Locked<'_> {
+        Locked {
             id: self.id,
             due_at: self.due_at,
             fired_at: self.fired_at,
