@@ -13,16 +13,19 @@
 //! If the commit fails all the same, the confirmed rows are remembered ([`Memory`]) and
 //! deleted by a later statement, so they do not fire again in a loop.
 //!
+//! One row, one fate, judged from its own message alone ([`Batch::judge`]): confirmed
+//! (deleted), failed (charged: attempts + 1, retried after a backoff, or held), unsent or
+//! unknown (left as it was; an unknown one goes alone next time, see `memory.rs`).
+//!
 //! [`clock`]: super::clock
 //! [`Memory`]: super::memory::Memory
 
-use std::collections::HashSet;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::Scan;
@@ -33,7 +36,6 @@ use crate::backoff;
 use crate::bus::{Budget, Bus, BusError, Fate, PublishError, Published, ToPublish};
 use crate::election::Lease;
 use crate::store::{Failure, Fired, StoreError, Window};
-use crate::wire::Message;
 
 /// Payloads up to this size come with the locked rows; larger ones are fetched one by
 /// one (see `large.rs`).
@@ -113,263 +115,250 @@ impl Step {
     }
 }
 
-impl Scan {
-    /// Run one batch over the rows due within `window`. `lease` is asked right before
-    /// each slot is sent: anything but `Held` before the first rolls back (nothing has
-    /// been sent yet), later it stops sending. `stop` ends sending early; what was sent
-    /// is still awaited and committed.
-    pub(crate) async fn run_batch<R: Row>(
-        &self,
-        bus: &Bus,
-        window: Window,
-    ) -> Result<BatchOutcome, BatchError> {
-        let (store, stop, lease) = (&self.store, &self.stop, || self.lease());
-        let started = Instant::now();
-        let skip = self.memory.skipped();
-        let locked = self.db(self.limits.db_bound, async {
-            let (mut tx, deletes) = store.begin_batch(R::KIND).await?;
-            let rows = R::lock_due(
-                store,
-                &mut tx,
-                self.limits.batch_size,
-                INLINE_PAYLOAD,
-                &skip,
-                window,
-            )
+/// Run one batch of `R`'s kind over the rows due within `window`. The lease is asked
+/// right before each slot is sent: anything but `Held` before the first rolls back
+/// (nothing has been sent yet), later it stops sending. The stop ends sending early; what
+/// was sent is still awaited and committed.
+pub(super) async fn run<R: Row>(
+    scan: &Scan,
+    bus: &Bus,
+    window: Window,
+) -> Result<BatchOutcome, BatchError> {
+    let (store, limits) = (&scan.store, &scan.limits);
+    let started = Instant::now();
+    let skip = scan.memory.skipped();
+    let locked = scan.db(limits.db_bound, async {
+        let (mut tx, deletes) = store.begin_batch(R::KIND).await?;
+        let rows = R::lock_due(
+            store,
+            &mut tx,
+            limits.batch_size,
+            INLINE_PAYLOAD,
+            &skip,
+            window,
+        );
+        let rows = rows.await?;
+        Ok((tx, deletes, rows, Instant::now()))
+    });
+    let (mut tx, deletes, rows, read_at) = locked.await?;
+    let mut outcome = BatchOutcome {
+        locked: rows.len(),
+        clock: clock::read_clock(&rows, read_at),
+        last_due: rows.last().map(|r| r.locked().due_at),
+        window_end: rows.first().map(|r| r.locked().window_end),
+        steps: vec![(Step::Lock, started.elapsed())],
+        ..BatchOutcome::default()
+    };
+    let Some(clock) = outcome.clock.filter(|_| scan.lease() == Lease::Held) else {
+        outcome.lease_lost = !rows.is_empty();
+        scan.db(limits.db_bound, async { Ok(tx.rollback().await?) })
             .await?;
-            Ok((tx, deletes, rows, Instant::now()))
-        });
-        let (mut tx, deletes, mut rows, read_at) = locked.await?;
-        let mut outcome = BatchOutcome {
-            locked: rows.len(),
-            clock: clock::read_clock(&rows, read_at),
-            last_due: rows.last().map(|r| r.locked().due_at),
-            window_end: rows.first().map(|r| r.locked().window_end),
-            steps: vec![(Step::Lock, started.elapsed())],
-            ..BatchOutcome::default()
-        };
-        let Some(clock) = outcome.clock.filter(|_| lease() == Lease::Held) else {
-            outcome.lease_lost = !rows.is_empty();
-            self.db(self.limits.db_bound, async { Ok(tx.rollback().await?) })
-                .await?;
-            outcome.duration = started.elapsed();
-            return Ok(outcome);
-        };
-        let budget = self.budget_from(started, stop);
-        let judged = self
-            .publish_on_time::<R>(
-                Large {
-                    store,
-                    tx: &mut tx,
-                    held: 0,
-                },
-                bus,
-                &mut rows,
-                clock,
-                &budget,
-                &lease,
-                &mut outcome,
-            )
-            .await;
-        outcome.bus_trouble = judged.trouble;
-        // From here on the batch commits: the broker may have confirmed TimeOuts.
-        let settling = Instant::now();
-        let settle = self.db(self.limits.db_bound * 2, async {
-            let settled = store
-                .settle(&mut tx, R::KIND, deletes, &judged.fired, &judged.failures)
-                .await?;
-            tx.commit().await?;
-            Ok(settled)
-        });
-        let fired = fired_rows(&rows, &judged.fired);
-        let settled = match settle.await {
-            Ok(s) => s,
-            Err(source) => {
-                self.memory.remember_later(R::KIND, fired);
-                return Err(BatchError::Commit {
-                    fired: judged.fired.len(),
-                    source,
-                });
-            }
-        };
-        outcome.steps.push((Step::Settle, settling.elapsed()));
-        self.memory
-            .settled(R::KIND, &settled, &fired, self.limits.retry_min);
-        outcome.fired = judged.fired.len();
-        outcome.failed = judged.failures.len();
-        outcome.untouched += judged.untouched;
-        outcome.parked = settled.parked.len();
-        outcome.failure_reasons = judged.reasons;
-        outcome.lateness = lateness(&rows, &judged.fired);
         outcome.duration = started.elapsed();
-        Ok(outcome)
-    }
-
-    fn budget_from(&self, started: Instant, stop: &CancellationToken) -> Budget {
-        let confirm_until = started + self.limits.budget;
-        Budget {
-            send_until: confirm_until
-                .checked_sub(self.limits.confirm_timeout)
-                .unwrap_or(started),
-            confirm_until,
-            stop: stop.clone(),
+        return Ok(outcome);
+    };
+    let confirm_until = started + limits.budget;
+    let budget = Budget {
+        send_until: confirm_until
+            .checked_sub(limits.confirm_timeout)
+            .unwrap_or(started),
+        confirm_until,
+        stop: scan.stop.clone(),
+    };
+    let mut batch = Batch {
+        due: rows
+            .iter()
+            .map(|r| clock.local(r.locked().due_at))
+            .collect(),
+        rows,
+        clock,
+        limit: bus.size_limit().min(limits.max_message_size),
+        scan,
+        bus,
+        budget: &budget,
+        judged: Judged::default(),
+        outcome,
+    };
+    let large = Large {
+        store,
+        tx: &mut tx,
+        held: 0,
+    };
+    batch.send_on_time(Reader::new(large)).await;
+    let Batch {
+        rows,
+        judged,
+        mut outcome,
+        ..
+    } = batch;
+    outcome.bus_trouble = judged.trouble;
+    // From here on the batch commits: the broker may have confirmed TimeOuts.
+    let settling = Instant::now();
+    let confirmed: Vec<Uuid> = judged.fired.iter().map(|&i| rows[i].locked().id).collect();
+    let settle = scan.db(limits.db_bound * 2, async {
+        let settled = store
+            .settle(&mut tx, R::KIND, deletes, &confirmed, &judged.failures)
+            .await?;
+        tx.commit().await?;
+        Ok(settled)
+    });
+    let fired: Vec<Fired> = judged
+        .fired
+        .iter()
+        .map(|&i| Fired {
+            id: rows[i].locked().id,
+            deadline: rows[i].deadline(),
+        })
+        .collect();
+    let settled = match settle.await {
+        Ok(s) => s,
+        Err(source) => {
+            scan.memory.remember_later(R::KIND, fired);
+            return Err(BatchError::Commit {
+                fired: confirmed.len(),
+                source,
+            });
         }
+    };
+    outcome.steps.push((Step::Settle, settling.elapsed()));
+    scan.memory
+        .settled(R::KIND, &settled, &fired, limits.retry_min);
+    outcome.fired = fired.len();
+    outcome.failed = judged.failures.len();
+    outcome.untouched += judged.untouched;
+    outcome.parked = settled.parked.len();
+    outcome.failure_reasons = judged.reasons;
+    outcome.lateness = judged
+        .fired
+        .iter()
+        .map(|&i| {
+            let row = &rows[i];
+            (row.locked().fired_at - row.deadline())
+                .to_std()
+                .unwrap_or_default()
+        })
+        .collect();
+    outcome.duration = started.elapsed();
+    Ok(outcome)
+}
+
+/// One batch between its lock and its settle: the locked rows, in due order, each sent
+/// at its due time and judged by its own message's fate.
+struct Batch<'a, R> {
+    scan: &'a Scan,
+    bus: &'a Bus,
+    budget: &'a Budget,
+    rows: Vec<R>,
+    /// The local instant each row is due (see [`DbClock::local`]).
+    due: Vec<Instant>,
+    clock: DbClock,
+    /// The largest message this batch sends (the broker's frame limit, the setting).
+    limit: usize,
+    judged: Judged,
+    outcome: BatchOutcome,
+}
+
+impl<'a, R: Row> Batch<'a, R> {
+    fn lease(&self) -> Lease {
+        self.scan.lease()
     }
 
     /// Send the rows at their due times — on each wake-up every row due by then (rows
     /// already due at once) — and sort them by fate. What one wake-up sends is published
     /// while the next waits for its time. Rows not sent (stop, lease lost, budget spent)
     /// are left untouched.
-    #[allow(clippy::too_many_arguments)]
-    async fn publish_on_time<'a, R: Row>(
-        &'a self,
-        large: Large<'a>,
-        bus: &Bus,
-        rows: &mut [R],
-        clock: DbClock,
-        budget: &Budget,
-        lease: &impl Fn() -> Lease,
-        outcome: &mut BatchOutcome,
-    ) -> Judged {
-        let due: Vec<Instant> = rows
-            .iter()
-            .map(|r| clock.local(r.locked().due_at))
-            .collect();
-        let mut judged = Judged::default();
+    async fn send_on_time(&mut self, mut reader: Reader<'a, R>) {
         let mut in_flight = FuturesUnordered::new();
-        let mut reader = Reader::new(large);
-        let limit = bus.size_limit().min(self.limits.max_message_size);
         let mut first = 0;
-        while let Some(&at) = due.get(first) {
-            let woke = match self
-                .until::<R>(
-                    at,
-                    &mut in_flight,
-                    &mut reader,
-                    rows,
-                    outcome,
-                    &mut judged,
-                    budget,
-                )
-                .await
-            {
+        while let Some(&at) = self.due.get(first) {
+            let woke = match self.until(at, &mut in_flight, &mut reader).await {
                 Until::Read(done) => {
-                    let sent = self.read_done::<R>(done, rows, limit, &mut judged);
-                    in_flight.extend(sent.map(|s| Box::pin(s.send(bus, budget))));
-                    self.read_next::<R>(&mut reader, rows, limit);
+                    let sent = self.take_read(done);
+                    in_flight.extend(sent.map(|s| Box::pin(s.send(self.bus, self.budget))));
+                    reader.read_next(self.scan, &self.rows, self.limit);
                     continue;
                 }
                 Until::Woke => true,
                 Until::Stopped => false,
             };
-            if !woke || !budget.may_send() || lease() != Lease::Held {
-                outcome.lease_lost |= woke && lease() != Lease::Held;
-                judged.untouched += rows.len() - first;
+            if !woke || !self.budget.may_send() || self.lease() != Lease::Held {
+                self.outcome.lease_lost |= woke && self.lease() != Lease::Held;
+                self.judged.untouched += self.rows.len() - first;
                 break;
             }
             let now = Instant::now();
-            let slot = clock::due_by(&due, first, now);
+            let slot = clock::due_by(&self.due, first, now);
             if slot.is_empty() {
                 // Woken before the timer's instant: wait again.
                 continue;
             }
-            if at > clock.at {
-                outcome
-                    .steps
-                    .push((Step::Wake, now.saturating_duration_since(at)));
+            if at > self.clock.at {
+                let late = now.saturating_duration_since(at);
+                self.outcome.steps.push((Step::Wake, late));
             }
             first = slot.end;
-            let sent_at = clock.db_at(now);
-            rows[slot.clone()]
+            let sent_at = self.clock.db_at(now);
+            self.rows[slot.clone()]
                 .iter_mut()
                 .for_each(|r| r.set_fired_at(sent_at));
-            let (sending, withheld) = self.messages::<R>(rows, slot, limit, &mut judged);
-            in_flight.push(Box::pin(sending.send(bus, budget)));
+            let (sending, withheld) = self.messages(slot);
+            in_flight.push(Box::pin(sending.send(self.bus, self.budget)));
             // Large contents are read only now, after the slot's other rows went out, and
             // beside the slots that follow: they delay nobody but their own rows.
             if !withheld.is_empty() {
                 reader.queue.push_back((withheld, now));
-                self.read_next::<R>(&mut reader, rows, limit);
+                reader.read_next(self.scan, &self.rows, self.limit);
             }
         }
         // Contents still to read are of rows not sent: left as they are.
-        judged.untouched += reader
-            .queue
-            .drain(..)
-            .map(|(idx, _)| idx.len())
-            .sum::<usize>();
+        self.judged.untouched += reader.drop_queue();
         loop {
             tokio::select! {
-                Some(done) = in_flight.next(), if !in_flight.is_empty() => {
-                    self.take_slot::<R>(done, rows, outcome, &mut judged);
-                }
+                Some(done) = in_flight.next(), if !in_flight.is_empty() => self.take_slot(done),
                 done = reader.reading(), if reader.is_busy() => {
-                    let sent = self.read_done::<R>(done, rows, limit, &mut judged);
-                    if budget.may_send() && lease() == Lease::Held {
-                        in_flight.extend(sent.map(|s| Box::pin(s.send(bus, budget))));
+                    let sent = self.take_read(done);
+                    if self.budget.may_send() && self.lease() == Lease::Held {
+                        in_flight.extend(sent.map(|s| Box::pin(s.send(self.bus, self.budget))));
                     } else {
-                        judged.untouched += sent.map_or(0, |s| s.positions.len());
+                        self.judged.untouched += sent.map_or(0, |s| s.positions.len());
                     }
                 }
                 else => break,
             }
         }
-        judged
     }
 
     /// Wait until `at`, taking the fates of slots sent earlier as they come in; return
     /// early when large contents were read.
-    #[allow(clippy::too_many_arguments)]
-    async fn until<'a, R: Row>(
-        &self,
+    async fn until(
+        &mut self,
         at: Instant,
         in_flight: &mut FuturesUnordered<impl Future<Output = SlotDone>>,
         reader: &mut Reader<'a, R>,
-        rows: &[R],
-        outcome: &mut BatchOutcome,
-        judged: &mut Judged,
-        budget: &Budget,
     ) -> Until<R> {
         let sleep = tokio::time::sleep_until(at.into());
         tokio::pin!(sleep);
         loop {
             tokio::select! {
                 _ = &mut sleep => return Until::Woke,
-                _ = budget.stop.cancelled() => return Until::Stopped,
+                _ = self.budget.stop.cancelled() => return Until::Stopped,
                 done = reader.reading(), if reader.is_busy() => return Until::Read(done),
-                Some(done) = in_flight.next(), if !in_flight.is_empty() => {
-                    self.take_slot::<R>(done, rows, outcome, judged);
-                }
+                Some(done) = in_flight.next(), if !in_flight.is_empty() => self.take_slot(done),
             }
         }
     }
 
     /// The fates of one slot's rows, and its publish and confirm steps.
-    fn take_slot<R: Row>(
-        &self,
-        SlotDone {
-            started,
-            positions,
-            alone,
-            published,
-            ended,
-        }: SlotDone,
-        rows: &[R],
-        outcome: &mut BatchOutcome,
-        judged: &mut Judged,
-    ) {
+    fn take_slot(&mut self, done: SlotDone) {
+        let published = done.published;
         if let Some(sent) = published.sent {
-            outcome
-                .steps
-                .push((Step::Publish, sent.saturating_duration_since(started)));
-            outcome
-                .steps
-                .push((Step::Confirm, ended.saturating_duration_since(sent)));
+            let steps = &mut self.outcome.steps;
+            steps.push((Step::Publish, sent.saturating_duration_since(done.started)));
+            steps.push((Step::Confirm, done.ended.saturating_duration_since(sent)));
         }
-        judged.trouble = judged.trouble.take().or(published.trouble);
-        let sent = positions.iter().zip(alone).zip(published.fates);
-        for ((i, alone), fate) in sent {
-            self.judge::<R>(&rows[*i], alone, fate, judged);
+        self.judged.trouble = self.judged.trouble.take().or(published.trouble);
+        let sent = done.positions.into_iter().zip(done.alone);
+        for ((i, alone), fate) in sent.zip(published.fates) {
+            self.judge(i, alone, fate);
         }
     }
 
@@ -377,83 +366,100 @@ impl Scan {
     /// Returns what to send, and the positions of the rows whose content is still in the
     /// database (no larger than `limit`, as far as is known: a larger one fails as too
     /// large without being read).
-    fn messages<R: Row>(
-        &self,
-        rows: &[R],
-        slot: std::ops::Range<usize>,
-        limit: usize,
-        judged: &mut Judged,
-    ) -> (Sending, Vec<usize>) {
+    fn messages(&mut self, slot: Range<usize>) -> (Sending, Vec<usize>) {
         let mut sending = Sending::new(Instant::now());
         let mut withheld = Vec::new();
         for i in slot {
-            let row = &rows[i];
-            let message = match row.withheld() {
-                Some(size) if size > limit => Err(PublishError::TooLarge { size, max: limit }),
-                Some(_) => {
-                    withheld.push(i);
-                    continue;
-                }
-                None => self.to_publish::<R>(row),
-            };
-            match message {
-                Ok(m) => sending.push(i, m),
-                Err(e) => judged.fail(self.failure::<R>(row, &e)),
+            match self.rows[i].withheld() {
+                Some(size) if size > self.limit => self.fail(i, &self.too_large(size)),
+                Some(_) => withheld.push(i),
+                None => self.push(&mut sending, i),
             }
         }
         (sending, withheld)
     }
 
-    /// A row's message as the bus takes it: alone if its last one's fate was unknown.
-    pub(super) fn to_publish<R: Row>(&self, row: &R) -> Result<ToPublish, PublishError> {
-        let message = self.message::<R>(row)?;
-        let alone = self.memory.suspect(row.locked().id);
-        Ok(ToPublish { message, alone })
+    /// Put the rows read back into the batch; what they become, to send.
+    fn take_read(&mut self, done: ReadDone<R>) -> Option<Sending> {
+        self.judged.untouched += done.left;
+        if let Some(e) = &done.error {
+            tracing::warn!(error = %crate::telemetry::Chain(e), kind = R::KIND.name(),
+                "cannot read large contents: those rows are left for the next batch");
+        }
+        let mut sending = Sending::new(done.started);
+        for row in done.read {
+            let id = row.locked().id;
+            let Some(&i) = done
+                .positions
+                .iter()
+                .find(|&&i| self.rows[i].locked().id == id)
+            else {
+                continue;
+            };
+            self.rows[i] = row;
+            match self.rows[i].withheld() {
+                Some(size) => self.fail(i, &self.too_large(size)),
+                None => self.push(&mut sending, i),
+            }
+        }
+        (!sending.positions.is_empty()).then_some(sending)
     }
 
-    fn judge<R: Row>(&self, row: &R, alone: bool, fate: Fate, judged: &mut Judged) {
-        let fate = self.memory.judge(row.locked().id, alone, fate);
-        match fate {
-            Fate::Confirmed => judged.fired.push(row.locked().id),
-            Fate::Failed(e) => judged.fail(self.failure::<R>(row, &e)),
-            Fate::Unsent => judged.untouched += 1,
+    /// The message of row `i` as the bus takes it (alone if its last one's fate was
+    /// unknown), or its failure.
+    fn push(&mut self, sending: &mut Sending, i: usize) {
+        let row = &self.rows[i];
+        let scan = self.scan;
+        match row.message(scan.node_id, &scan.limits.destinations) {
+            Ok(message) => {
+                let alone = scan.memory.suspect(row.locked().id);
+                sending.push(i, ToPublish { message, alone });
+            }
+            Err(e) => self.fail(i, &e),
+        }
+    }
+
+    fn too_large(&self, size: usize) -> PublishError {
+        PublishError::TooLarge {
+            size,
+            max: self.limit,
+        }
+    }
+
+    /// Row `i`'s fate, from its own message's alone.
+    fn judge(&mut self, i: usize, alone: bool, fate: Fate) {
+        let id = self.rows[i].locked().id;
+        match self.scan.memory.judge(id, alone, fate) {
+            Fate::Confirmed => self.judged.fired.push(i),
+            Fate::Failed(e) => self.fail(i, &e),
+            Fate::Unsent => self.judged.untouched += 1,
             Fate::Unknown(why) => {
-                tracing::warn!(id = %row.locked().id, kind = R::KIND.name(), "message may or may not have \
+                tracing::warn!(%id, kind = R::KIND.name(), "message may or may not have \
                     been delivered (channel closed before its confirm: {why}); it will be \
                     sent again, alone");
-                judged.untouched += 1;
+                self.judged.untouched += 1;
             }
         }
     }
 
-    pub(super) fn failure<R: Row>(&self, row: &R, error: &PublishError) -> (Failure, &'static str) {
-        let attempts = u32::try_from(row.locked().attempts).unwrap_or(0);
-        let due = row.locked();
-        let (exchange, routing_key) = (due.exchange, due.routing_key);
+    /// Charge row `i` with `error`: attempts + 1, retried after a backoff unless the
+    /// error holds the row for an operator.
+    fn fail(&mut self, i: usize, error: &PublishError) {
+        let row = self.rows[i].locked();
+        let attempts = u32::try_from(row.attempts).unwrap_or(0);
         tracing::warn!(
-            id = %row.locked().id, kind = R::KIND.name(), exchange, routing_key,
-            attempts = attempts.saturating_add(1), reason = error.reason(),
-            "{} not published: {error}", R::KIND.message()
+            id = %row.id, kind = R::KIND.name(), exchange = row.exchange,
+            routing_key = row.routing_key, attempts = attempts.saturating_add(1),
+            reason = error.reason(), "{} not published: {error}", R::KIND.message()
         );
-        let failure = Failure {
-            id: row.locked().id,
+        let limits = &self.scan.limits;
+        self.judged.failures.push(Failure {
+            id: row.id,
             error: error.to_string(),
-            delay: (!error.holds()).then(|| {
-                backoff::exponential(self.limits.retry_min, self.limits.retry_max, attempts)
-            }),
-        };
-        (failure, error.reason())
-    }
-
-    /// The message of one row; content left in the database here is too large.
-    fn message<R: Row>(&self, row: &R) -> Result<Message, PublishError> {
-        if let Some(size) = row.withheld() {
-            return Err(PublishError::TooLarge {
-                size,
-                max: self.limits.max_message_size,
-            });
-        }
-        row.message(self.node_id, &self.limits.destinations)
+            delay: (!error.holds())
+                .then(|| backoff::exponential(limits.retry_min, limits.retry_max, attempts)),
+        });
+        self.judged.reasons.push(error.reason());
     }
 }
 
@@ -471,14 +477,14 @@ struct SlotDone {
 }
 
 /// Messages to publish together, and the positions of their rows in the batch.
-pub(super) struct Sending {
-    pub(super) started: Instant,
-    pub(super) positions: Vec<usize>,
-    pub(super) messages: Vec<ToPublish>,
+struct Sending {
+    started: Instant,
+    positions: Vec<usize>,
+    messages: Vec<ToPublish>,
 }
 
 impl Sending {
-    pub(super) fn new(started: Instant) -> Self {
+    fn new(started: Instant) -> Self {
         Self {
             started,
             positions: Vec::new(),
@@ -486,7 +492,7 @@ impl Sending {
         }
     }
 
-    pub(super) fn push(&mut self, position: usize, message: ToPublish) {
+    fn push(&mut self, position: usize, message: ToPublish) {
         self.positions.push(position);
         self.messages.push(message);
     }
@@ -513,40 +519,12 @@ enum Until<R> {
 
 /// Rows sorted by fate.
 #[derive(Default)]
-pub(super) struct Judged {
-    pub(super) fired: Vec<Uuid>,
-    pub(super) failures: Vec<Failure>,
-    pub(super) reasons: Vec<&'static str>,
-    pub(super) untouched: usize,
-    pub(super) trouble: Option<BusError>,
-}
-
-impl Judged {
-    pub(super) fn fail(&mut self, (failure, reason): (Failure, &'static str)) {
-        self.failures.push(failure);
-        self.reasons.push(reason);
-    }
-}
-
-fn fired_rows<R: Row>(rows: &[R], fired: &[Uuid]) -> Vec<Fired> {
-    let fired: HashSet<&Uuid> = fired.iter().collect();
-    rows.iter()
-        .filter(|r| fired.contains(&r.locked().id))
-        .map(|r| Fired {
-            id: r.locked().id,
-            deadline: r.deadline(),
-        })
-        .collect()
-}
-
-fn lateness<R: Row>(rows: &[R], fired: &[Uuid]) -> Vec<Duration> {
-    let fired: HashSet<&Uuid> = fired.iter().collect();
-    rows.iter()
-        .filter(|r| fired.contains(&r.locked().id))
-        .map(|r| {
-            (r.locked().fired_at - r.deadline())
-                .to_std()
-                .unwrap_or_default()
-        })
-        .collect()
+struct Judged {
+    /// Positions of the confirmed rows.
+    fired: Vec<usize>,
+    failures: Vec<Failure>,
+    /// Why each failed (`PublishError::reason`), in the same order.
+    reasons: Vec<&'static str>,
+    untouched: usize,
+    trouble: Option<BusError>,
 }

@@ -5,11 +5,8 @@
 use std::time::Instant;
 
 use super::Scan;
-use super::batch::{Judged, Sending};
 use super::row::Row;
-use crate::bus::PublishError;
 use crate::store::{Store, StoreError};
-use crate::telemetry::Chain;
 
 /// Bytes of large payloads one batch holds at most (at least one payload, however large).
 const LARGE_PAYLOADS: usize = 64 * 1024 * 1024;
@@ -43,7 +40,7 @@ pub(super) struct ReadDone<R> {
     pub(super) started: Instant,
 }
 
-impl<'a, R> Reader<'a, R> {
+impl<'a, R: Row> Reader<'a, R> {
     pub(super) fn new(large: Large<'a>) -> Self {
         Self {
             idle: Some(large),
@@ -67,56 +64,28 @@ impl<'a, R> Reader<'a, R> {
         self.idle = Some(large);
         done
     }
-}
 
-impl Scan {
-    /// Fetch the contents `lock_due` left in the database of `rows` (those of at most
-    /// `max` bytes), while the batch holds less than `LARGE_PAYLOADS` of them (at least
-    /// one). Returns the rows fetched (a row still withheld was too large), and how many
-    /// were left out: they stay locked but unsent (the next batch takes them first).
-    async fn fetch_large<R: Row>(
-        &self,
-        large: &mut Large<'_>,
-        rows: Vec<R>,
-        max: usize,
-    ) -> (Vec<R>, usize, Option<StoreError>) {
-        let mut fetched = Vec::with_capacity(rows.len());
-        let mut left = 0;
-        for mut row in rows {
-            let size = row.withheld().unwrap_or(0);
-            if large.held > 0 && large.held.saturating_add(size) >= LARGE_PAYLOADS {
-                left += 1;
-                continue;
-            }
-            let fetch = row.fetch_withheld(large.store, large.tx, max);
-            match self.db(self.limits.db_bound, fetch).await {
-                Ok(read) => large.held += read,
-                // Leave the rest too: the database is in trouble, and the settle says so.
-                Err(e) => return (fetched, left + 1, Some(e)),
-            }
-            fetched.push(row);
-        }
-        (fetched, left, None)
+    /// Forget the rows still waiting to be read (their slots were not sent): how many.
+    pub(super) fn drop_queue(&mut self) -> usize {
+        self.queue
+            .drain(..)
+            .map(|(positions, _)| positions.len())
+            .sum()
     }
 
-    /// Start reading the next slot's large contents, if the reader is free.
-    pub(super) fn read_next<'a, R: Row>(
-        &'a self,
-        reader: &mut Reader<'a, R>,
-        rows: &[R],
-        limit: usize,
-    ) {
-        let Some(large) = reader.idle.take() else {
+    /// Start reading the next slot's large contents, if the connection is free.
+    pub(super) fn read_next(&mut self, scan: &'a Scan, rows: &[R], limit: usize) {
+        let Some(large) = self.idle.take() else {
             return;
         };
-        let Some((positions, started)) = reader.queue.pop_front() else {
-            reader.idle = Some(large);
+        let Some((positions, started)) = self.queue.pop_front() else {
+            self.idle = Some(large);
             return;
         };
         let copies = positions.iter().map(|&i| rows[i].clone()).collect();
-        reader.busy = Some(Box::pin(async move {
+        self.busy = Some(Box::pin(async move {
             let mut large = large;
-            let (read, left, error) = self.fetch_large::<R>(&mut large, copies, limit).await;
+            let (read, left, error) = fetch(scan, &mut large, copies, limit).await;
             let done = ReadDone {
                 read,
                 positions,
@@ -127,39 +96,33 @@ impl Scan {
             (large, done)
         }));
     }
+}
 
-    /// Put the rows read back into the batch; what they become, to send.
-    pub(super) fn read_done<R: Row>(
-        &self,
-        done: ReadDone<R>,
-        rows: &mut [R],
-        limit: usize,
-        judged: &mut Judged,
-    ) -> Option<Sending> {
-        judged.untouched += done.left;
-        if let Some(e) = &done.error {
-            tracing::warn!(error = %Chain(e), kind = R::KIND.name(), "cannot read large contents: \
-                those rows are left for the next batch");
+/// Fetch the contents `lock_due` left in the database of `rows` (those of at most `max`
+/// bytes), while the batch holds less than [`LARGE_PAYLOADS`] of them (at least one).
+/// Returns the rows fetched (a row still withheld was too large), and how many were left
+/// out: they stay locked but unsent (the next batch takes them first).
+async fn fetch<R: Row>(
+    scan: &Scan,
+    large: &mut Large<'_>,
+    rows: Vec<R>,
+    max: usize,
+) -> (Vec<R>, usize, Option<StoreError>) {
+    let mut fetched = Vec::with_capacity(rows.len());
+    let mut left = 0;
+    for mut row in rows {
+        let size = row.withheld().unwrap_or(0);
+        if large.held > 0 && large.held.saturating_add(size) >= LARGE_PAYLOADS {
+            left += 1;
+            continue;
         }
-        let mut sending = Sending::new(done.started);
-        for row in done.read {
-            let Some(&i) = done
-                .positions
-                .iter()
-                .find(|&&i| rows[i].locked().id == row.locked().id)
-            else {
-                continue;
-            };
-            rows[i] = row;
-            let message = match rows[i].withheld() {
-                Some(size) => Err(PublishError::TooLarge { size, max: limit }),
-                None => self.to_publish::<R>(&rows[i]),
-            };
-            match message {
-                Ok(m) => sending.push(i, m),
-                Err(e) => judged.fail(self.failure::<R>(&rows[i], &e)),
-            }
+        let read = row.fetch_withheld(large.store, large.tx, max);
+        match scan.db(scan.limits.db_bound, read).await {
+            Ok(read) => large.held += read,
+            // Leave the rest too: the database is in trouble, and the settle says so.
+            Err(e) => return (fetched, left + 1, Some(e)),
         }
-        (!sending.positions.is_empty()).then_some(sending)
+        fetched.push(row);
     }
+    (fetched, left, None)
 }

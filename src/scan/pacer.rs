@@ -314,7 +314,7 @@ impl Pacer {
             .start_positions(now)
             .into_iter()
             .map(|(i, lane)| {
-                Action::Batch(Batch {
+                Action::Batch(Planned {
                     kind: self.served[i],
                     lane,
                     window: self.config.window(lane, self.kinds[i].from),
@@ -586,7 +586,7 @@ impl Pacer {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Action {
     /// Start a batch.
-    Batch(Batch),
+    Batch(Planned),
     /// Ask the due index when the next rows of a kind are due.
     Probe(Probing),
 }
@@ -594,7 +594,7 @@ pub(crate) enum Action {
 /// A batch to start: of which kind, in which lane, over which window, and the pacer's
 /// epoch of its kind (passed back in [`Finished::epoch`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Batch {
+pub(crate) struct Planned {
     pub(crate) kind: Kind,
     pub(crate) lane: Lane,
     pub(crate) window: Window,

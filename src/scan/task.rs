@@ -15,10 +15,10 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::{Id, JoinError, JoinSet};
 
 use super::Scan;
-use super::batch::{BatchError, BatchOutcome};
+use super::batch::{self, BatchError, BatchOutcome};
 use super::checks::{self, health_backoff};
 use super::notice::{self, NOTICES, NoticeState, Notices};
-use super::pacer::{self, Action, Batch, Finished, Pacer, Probing};
+use super::pacer::{self, Action, Finished, Pacer, Planned, Probing};
 use super::report::{Summary, record};
 use crate::backoff::Backoff;
 use crate::bus::Bus;
@@ -106,7 +106,7 @@ pub(crate) async fn run(scan: Arc<Scan>) {
 #[derive(Default)]
 struct InFlight {
     batches: JoinSet<Result<BatchOutcome, BatchError>>,
-    batch_of: Vec<(Id, Batch)>,
+    batch_of: Vec<(Id, Planned)>,
     probes: JoinSet<Probed>,
     probe_of: Vec<(Id, Kind)>,
 }
@@ -114,16 +114,17 @@ struct InFlight {
 impl InFlight {
     fn start(&mut self, scan: &Arc<Scan>, bus: &Arc<Bus>, action: Action) {
         match action {
-            Action::Batch(batch) => {
-                tracing::trace!(kind = batch.kind.name(), lane = ?batch.lane, from = ?batch.window.from, "starting a batch");
+            Action::Batch(planned) => {
+                tracing::trace!(kind = planned.kind.name(), lane = ?planned.lane, from = ?planned.window.from, "starting a batch");
                 let (scan, bus) = (scan.clone(), bus.clone());
+                let window = planned.window;
                 let task = self.batches.spawn(async move {
-                    match batch.kind {
-                        Kind::Expectation => scan.run_batch::<DueRow>(&bus, batch.window).await,
-                        Kind::Delayed => scan.run_batch::<DelayedRow>(&bus, batch.window).await,
+                    match planned.kind {
+                        Kind::Expectation => batch::run::<DueRow>(&scan, &bus, window).await,
+                        Kind::Delayed => batch::run::<DelayedRow>(&scan, &bus, window).await,
                     }
                 });
-                self.batch_of.push((task.id(), batch));
+                self.batch_of.push((task.id(), planned));
             }
             // Read-only: one still under way when the spell ends is dropped.
             Action::Probe(Probing { kind, after, from }) => {
@@ -340,7 +341,7 @@ fn finished(
     joined: Result<(Id, Result<BatchOutcome, BatchError>), JoinError>,
 ) {
     let now = Instant::now();
-    let Some(Batch {
+    let Some(Planned {
         kind, lane, epoch, ..
     }) = take(&mut in_flight.batch_of, task_id(&joined))
     else {
