@@ -24,11 +24,14 @@
 //! Tasks (crate-private):
 //! - `node`: the node task; owns the [`election::Election`], drives it with ticks,
 //!   announcements and the node's health, publishes the lease view the scan checks.
-//! - `scheduler`: the scan task; batches and probes of the due index as tasks, `NOTIFY`
-//!   wake-ups; `scheduler::pacer`, a pure state machine, decides which batch starts when.
-//! - `fire`: one transactional batch (lock, publish each row at its due time, one fate
-//!   per row, settle, commit); `fire::kind` is all it knows of a kind of row
-//!   (expectations, delayed messages), `fire::slots` when each locked row is sent.
+//! - `scan`: the firing wing, one folder (`src/scan/`; its module docs follow one
+//!   `TimeOut` through it): `scan::task` runs while active what the pure
+//!   `scan::pacer` says (start a batch, probe the due index), `scan::notice` turns
+//!   `NOTIFY` into pacer input, `scan::batch` is one transaction (lock, publish each row
+//!   at its due time by `scan::clock`, one fate per row, settle, commit), `scan::row` all
+//!   it knows of a kind of row, `scan::large` reads large contents beside the sending,
+//!   `scan::memory` what it keeps between batches about single rows, `scan::report`
+//!   what a finished batch tells, `scan::checks` a passive node's checks.
 //! - `ingress`: the delay ingress task (every node): store arriving delayed messages,
 //!   acknowledge after the commit, give them back while the database is away.
 //! - `fence`: the active node ends the database sessions of departed or withdrawn members
@@ -40,6 +43,8 @@
 //!   API on one database connection of its own.
 //!
 //! Pure logic:
+//! - [`kind`]: the kinds of due rows (expectations, delayed messages): the one name the
+//!   scan, the store, the metrics, the CLI and the console share.
 //! - [`election`]: the GUID election as a pure state machine (no clock, no I/O).
 //! - [`admission`]: which announcements count (broker user, group secret, replays), before
 //!   the election hears them.
@@ -56,8 +61,8 @@
 //!   the ingress queue, and what the broker has shown it accepts from us.
 //! - [`store`]: Postgres through sqlx: pool, migrations, `LISTEN`, the due-row statements
 //!   of each table, settling a batch (delete, charge, park), fencing statements.
-//! - [`status`]: what a node knows about itself, for `/status`, readiness, liveness and the
-//!   tests.
+//! - [`status`]: what a node knows about itself ([`status::Status`]), for `/status`,
+//!   readiness, liveness and the tests; it renders the metrics, which each task holds.
 //! - `metrics`: the Prometheus series, one method per event.
 //! - `telemetry`: logging (text or JSON) and the limiter that keeps a flood of bad input
 //!   to a few lines.

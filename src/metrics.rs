@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use crate::store::{Bound, IngestOutcome, Kind, PendingCounts};
 
-/// The `kind` of expectations (see `fire::Kind::NAME`).
+/// The `kind` of expectations (see `Kind::name`).
 const EXPECTATION: &str = "expectation";
 
 /// The content type of [`Metrics::render`].

@@ -194,7 +194,7 @@ pub struct Window {
     pub horizon: Duration,
     pub fresh: Option<Duration>,
     /// Only rows due at or after this database instant (where the scan stands, see
-    /// `scheduler/pacer.rs`): past the index entries of every row deleted before it
+    /// `scan/pacer.rs`): past the index entries of every row deleted before it
     /// (they stay in the index until vacuum, and each scan would pass them).
     pub from: Option<DateTime<Utc>>,
 }
@@ -485,7 +485,39 @@ impl Store {
         Ok((tx, deletes))
     }
 
-    /// When the next rows of `table` are due: the earliest at or after `from` (where a
+    /// Lock up to `limit` rows of `kind` due within `window`, oldest due first, skipping
+    /// rows another batch holds and the ids in `skip`. Contents over `inline` bytes are
+    /// left in the database (the row says how large, where known). Binds: `$1` limit,
+    /// `$2` inline, `$3` skip, `$4` horizon and `$5` freshness in seconds, `$6` the
+    /// earliest due time (see [`Kind::window`]).
+    pub async fn lock_due<R>(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        kind: Kind,
+        limit: u32,
+        inline: usize,
+        skip: &[uuid::Uuid],
+        window: Window,
+    ) -> Result<Vec<R>, StoreError>
+    where
+        R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+    {
+        let sql = match kind {
+            Kind::Expectation => &self.sql.expectations.lock_due,
+            Kind::Delayed => &self.sql.delayed.lock_due,
+        };
+        Ok(sqlx::query_as(safe(sql))
+            .bind(i64::from(limit))
+            .bind(i64::try_from(inline).unwrap_or(i64::MAX))
+            .bind(skip)
+            .bind(window.horizon.as_secs_f64())
+            .bind(window.fresh.map(|f| f.as_secs_f64()))
+            .bind(window.from)
+            .fetch_all(tx)
+            .await?)
+    }
+
+    /// When the next rows of `kind` are due: the earliest at or after `from` (where a
     /// backlog drain stands; `None`: of all), and the earliest due after `after` (a
     /// database instant; `None`: no bound) and no longer ago than `fresh`. A due time of 'infinity' (a held row) reads as `None`. Two probes of the
     /// due index, one round trip.
@@ -718,31 +750,6 @@ pub(crate) async fn bounded<T>(
     tokio::time::timeout(limit, step)
         .await
         .unwrap_or(Err(StoreError::NoAnswer(limit)))
-}
-
-/// Run a due-row statement of any table (binds: `$1` limit, `$2` largest content to
-/// fetch with the row, in bytes, `$3` ids to skip, `$4` horizon and `$5` freshness in
-/// seconds, `$6` the earliest due time, see [`Kind::window`]).
-async fn lock_rows<R>(
-    sql: &Arc<str>,
-    tx: &mut sqlx::PgConnection,
-    limit: u32,
-    inline: usize,
-    skip: &[uuid::Uuid],
-    window: Window,
-) -> Result<Vec<R>, StoreError>
-where
-    R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
-{
-    Ok(sqlx::query_as(safe(sql))
-        .bind(i64::from(limit))
-        .bind(i64::try_from(inline).unwrap_or(i64::MAX))
-        .bind(skip)
-        .bind(window.horizon.as_secs_f64())
-        .bind(window.fresh.map(|f| f.as_secs_f64()))
-        .bind(window.from)
-        .fetch_all(tx)
-        .await?)
 }
 
 /// The statements are built from a validated identifier only (see `Sql::new`).

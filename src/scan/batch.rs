@@ -129,9 +129,9 @@ pub(super) async fn run<R: Row>(
     let skip = scan.memory.skipped();
     let locked = scan.db(limits.db_bound, async {
         let (mut tx, deletes) = store.begin_batch(R::KIND).await?;
-        let rows = R::lock_due(
-            store,
+        let rows = store.lock_due::<R>(
             &mut tx,
+            R::KIND,
             limits.batch_size,
             INLINE_PAYLOAD,
             &skip,

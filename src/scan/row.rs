@@ -1,5 +1,5 @@
-//! What a batch needs of one kind of due row: how its rows are locked and read, and what
-//! each becomes on the wire. Everything else (locking order, publishing, one fate per
+//! What a batch needs of one kind of due row: how its large contents are read, and what
+//! each row becomes on the wire. Everything else (locking order, publishing, one fate per
 //! row, delete/charge/park, commit, leftovers) is the same for every kind and lives in
 //! `batch.rs` and the store, once.
 
@@ -9,27 +9,17 @@ use uuid::Uuid;
 
 use crate::bus::PublishError;
 use crate::kind::Kind;
-use crate::store::{DelayedRow, DueRow, Store, StoreError, Window};
+use crate::store::{DelayedRow, DueRow, Store, StoreError};
 use crate::wire::delayed::Destinations;
 use crate::wire::{self, Message};
 
 /// A due row of one kind, as its batch locked it.
-pub(crate) trait Row: Clone + Send + Sync + 'static {
+pub(crate) trait Row:
+    for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Clone + Send + Sync + Unpin + 'static
+{
     const KIND: Kind;
 
-    /// Lock up to `limit` rows due within `window`, oldest first, skipping rows locked
-    /// elsewhere and `skip`; contents over `inline` bytes are left in the database
-    /// ([`Row::withheld`]).
-    fn lock_due(
-        store: &Store,
-        tx: &mut PgConnection,
-        limit: u32,
-        inline: usize,
-        skip: &[Uuid],
-        window: Window,
-    ) -> impl Future<Output = Result<Vec<Self>, StoreError>> + Send;
-
-    /// Read what `lock_due` left in the database into the row, if it is at most `max`
+    /// Read what `Store::lock_due` left in the database into the row, if it is at most `max`
     /// bytes (else [`Row::withheld`] then says how large it is). Returns the bytes read.
     fn fetch_withheld(
         &mut self,
@@ -75,17 +65,6 @@ pub(crate) struct Locked<'a> {
 impl Row for DueRow {
     const KIND: Kind = Kind::Expectation;
 
-    async fn lock_due(
-        store: &Store,
-        tx: &mut PgConnection,
-        limit: u32,
-        inline: usize,
-        skip: &[Uuid],
-        window: Window,
-    ) -> Result<Vec<DueRow>, StoreError> {
-        store.lock_due(tx, limit, inline, skip, window).await
-    }
-
     async fn fetch_withheld(
         &mut self,
         store: &Store,
@@ -127,19 +106,6 @@ impl Row for DueRow {
 /// Messages published with a delay, delivered as they were.
 impl Row for DelayedRow {
     const KIND: Kind = Kind::Delayed;
-
-    async fn lock_due(
-        store: &Store,
-        tx: &mut PgConnection,
-        limit: u32,
-        inline: usize,
-        skip: &[Uuid],
-        window: Window,
-    ) -> Result<Vec<DelayedRow>, StoreError> {
-        store
-            .lock_due_delayed(tx, limit, inline, skip, window)
-            .await
-    }
 
     async fn fetch_withheld(
         &mut self,

@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use serde::Serialize;
 
-use super::{Kind, PendingFilter, Store, StoreError, Window, lock_rows, safe};
+use super::{Kind, PendingFilter, Store, StoreError, safe};
 
 /// One due delayed message, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -224,7 +224,7 @@ const CANCEL_BUCKETS: u32 = 64;
 const FORGET: u32 = 100;
 
 /// The statement that finds and locks due delayed messages, for `table` (binds: see
-/// `lock_rows`).
+/// `Store::lock_due`).
 pub fn lock_delayed_sql(table: &str) -> String {
     let (deadline, window, due_at, due) = (
         Kind::Delayed.deadline(),
@@ -252,7 +252,7 @@ pub(super) struct Statements {
     fold: Arc<str>,
     insert: Arc<str>,
     cancel_remembered: Arc<str>,
-    lock_due: Arc<str>,
+    pub(super) lock_due: Arc<str>,
     body: Arc<str>,
     list: Arc<str>,
 }
@@ -592,20 +592,7 @@ impl Store {
             .await?)
     }
 
-    /// Lock up to `limit` due delayed messages, as [`Store::lock_due`] does for
-    /// expectations; bodies over `inline` bytes are left in the database.
-    pub async fn lock_due_delayed(
-        &self,
-        tx: &mut PgConnection,
-        limit: u32,
-        inline: usize,
-        skip: &[Uuid],
-        window: Window,
-    ) -> Result<Vec<DelayedRow>, StoreError> {
-        lock_rows(&self.sql.delayed.lock_due, tx, limit, inline, skip, window).await
-    }
-
-    /// The body of one (locked) row that `lock_due_delayed` left behind.
+    /// The body of one (locked) row that `Store::lock_due` left behind.
     pub async fn delayed_body(
         &self,
         tx: &mut PgConnection,

@@ -9,7 +9,7 @@ use serde::Serialize;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{Kind, PendingCounts, Store, StoreError, Window, lock_rows, safe};
+use super::{Kind, PendingCounts, Store, StoreError, safe};
 
 /// One due row, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -106,7 +106,7 @@ impl PendingFilter {
     }
 }
 
-/// The statement that finds and locks due rows, for `table` (binds: see `lock_rows`).
+/// The statement that finds and locks due rows, for `table` (binds: see `Store::lock_due`).
 /// The benchmark runs it too.
 pub fn lock_due_sql(table: &str) -> String {
     // Printing a large jsonb payload costs as much as sending it: only payloads stored
@@ -135,7 +135,7 @@ pub fn lock_due_sql(table: &str) -> String {
 /// The statements that only expectations have.
 #[derive(Debug, Clone)]
 pub(super) struct Statements {
-    lock_due: Arc<str>,
+    pub(super) lock_due: Arc<str>,
     payload: Arc<str>,
     list: Arc<str>,
 }
@@ -172,28 +172,6 @@ impl Statements {
 }
 
 impl Store {
-    /// Lock up to `limit` rows due within `window`, oldest due first, skipping rows another
-    /// scan holds and the ids in `skip`. Payloads over `inline` bytes are left in the
-    /// database.
-    pub async fn lock_due(
-        &self,
-        tx: &mut PgConnection,
-        limit: u32,
-        inline: usize,
-        skip: &[Uuid],
-        window: Window,
-    ) -> Result<Vec<DueRow>, StoreError> {
-        lock_rows(
-            &self.sql.expectations.lock_due,
-            tx,
-            limit,
-            inline,
-            skip,
-            window,
-        )
-        .await
-    }
-
     /// Read into `row` the payload `lock_due` left behind, if its text is at most `max`
     /// bytes; either way `payload_bytes` then says how large it is. Returns the bytes read.
     pub async fn payload(

@@ -246,7 +246,7 @@ pub(crate) struct Args {
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
     /// Write each daemon's stderr (JSON log lines) to `<DIR>/daemon-<pid>.log`, to trace
-    /// a phase afterwards (with e.g. `--daemon-rust-log info,timeoutd::scheduler=trace`).
+    /// a phase afterwards (with e.g. `--daemon-rust-log info,timeoutd::scan=trace`).
     #[arg(long)]
     pub(crate) daemon_log: Option<PathBuf>,
     /// `RUST_LOG` of the daemons.
