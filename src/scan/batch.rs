@@ -115,19 +115,21 @@ impl Step {
     }
 }
 
-/// Run one batch of `R`'s kind over the rows due within `window`. The lease is asked
-/// right before each slot is sent: anything but `Held` before the first rolls back
-/// (nothing has been sent yet), later it stops sending. The stop ends sending early; what
-/// was sent is still awaited and committed.
+/// Run one batch of `R`'s kind over the rows due within `window`, telling `locked` as
+/// soon as its rows are locked (whether it locked a full batch, and the due time of its
+/// last row). The lease is asked right before each slot is sent: anything but `Held`
+/// before the first rolls back (nothing has been sent yet), later it stops sending. The
+/// stop ends sending early; what was sent is still awaited and committed.
 pub(super) async fn run<R: Row>(
     scan: &Scan,
     bus: &Bus,
     window: Window,
+    locked: impl FnOnce(bool, Option<DateTime<Utc>>),
 ) -> Result<BatchOutcome, BatchError> {
     let (store, limits) = (&scan.store, &scan.limits);
     let started = Instant::now();
     let skip = scan.memory.skipped();
-    let locked = scan.db(limits.db_bound, async {
+    let lock = scan.db(limits.db_bound, async {
         let (mut tx, deletes) = store.begin_batch(R::KIND).await?;
         let rows = store.lock_due::<R>(
             &mut tx,
@@ -140,12 +142,14 @@ pub(super) async fn run<R: Row>(
         let rows = rows.await?;
         Ok((tx, deletes, rows, Instant::now()))
     });
-    let (mut tx, deletes, rows, read_at) = locked.await?;
+    let (mut tx, deletes, rows, read_at) = lock.await?;
+    let full = rows.len() >= limits.batch_size as usize;
+    locked(full, rows.last().map(|r| r.common().due_at));
     let mut outcome = BatchOutcome {
         locked: rows.len(),
         clock: clock::read_clock(&rows, read_at),
-        last_due: rows.last().map(|r| r.locked().due_at),
-        window_end: rows.first().map(|r| r.locked().window_end),
+        last_due: rows.last().map(|r| r.common().due_at),
+        window_end: rows.first().map(|r| r.common().window_end),
         steps: vec![(Step::Lock, started.elapsed())],
         ..BatchOutcome::default()
     };
@@ -167,7 +171,7 @@ pub(super) async fn run<R: Row>(
     let mut batch = Batch {
         due: rows
             .iter()
-            .map(|r| clock.local(r.locked().due_at))
+            .map(|r| clock.local(r.common().due_at))
             .collect(),
         rows,
         clock,
@@ -193,7 +197,7 @@ pub(super) async fn run<R: Row>(
     outcome.bus_trouble = judged.trouble;
     // From here on the batch commits: the broker may have confirmed TimeOuts.
     let settling = Instant::now();
-    let confirmed: Vec<Uuid> = judged.fired.iter().map(|&i| rows[i].locked().id).collect();
+    let confirmed: Vec<Uuid> = judged.fired.iter().map(|&i| rows[i].common().id).collect();
     let settle = scan.db(limits.db_bound * 2, async {
         let settled = store
             .settle(&mut tx, R::KIND, deletes, &confirmed, &judged.failures)
@@ -205,7 +209,7 @@ pub(super) async fn run<R: Row>(
         .fired
         .iter()
         .map(|&i| Fired {
-            id: rows[i].locked().id,
+            id: rows[i].common().id,
             deadline: rows[i].deadline(),
         })
         .collect();
@@ -232,7 +236,7 @@ pub(super) async fn run<R: Row>(
         .iter()
         .map(|&i| {
             let row = &rows[i];
-            (row.locked().fired_at - row.deadline())
+            (row.common().fired_at - row.deadline())
                 .to_std()
                 .unwrap_or_default()
         })
@@ -388,11 +392,11 @@ impl<'a, R: Row> Batch<'a, R> {
         }
         let mut sending = Sending::new(done.started);
         for row in done.read {
-            let id = row.locked().id;
+            let id = row.common().id;
             let Some(&i) = done
                 .positions
                 .iter()
-                .find(|&&i| self.rows[i].locked().id == id)
+                .find(|&&i| self.rows[i].common().id == id)
             else {
                 continue;
             };
@@ -412,7 +416,7 @@ impl<'a, R: Row> Batch<'a, R> {
         let scan = self.scan;
         match row.message(scan.node_id, &scan.limits.destinations) {
             Ok(message) => {
-                let alone = scan.memory.suspect(row.locked().id);
+                let alone = scan.memory.suspect(row.common().id);
                 sending.push(i, ToPublish { message, alone });
             }
             Err(e) => self.fail(i, &e),
@@ -428,7 +432,7 @@ impl<'a, R: Row> Batch<'a, R> {
 
     /// Row `i`'s fate, from its own message's alone.
     fn judge(&mut self, i: usize, alone: bool, fate: Fate) {
-        let id = self.rows[i].locked().id;
+        let id = self.rows[i].common().id;
         match self.scan.memory.judge(id, alone, fate) {
             Fate::Confirmed => self.judged.fired.push(i),
             Fate::Failed(e) => self.fail(i, &e),
@@ -445,7 +449,7 @@ impl<'a, R: Row> Batch<'a, R> {
     /// Charge row `i` with `error`: attempts + 1, retried after a backoff unless the
     /// error holds the row for an operator.
     fn fail(&mut self, i: usize, error: &PublishError) {
-        let row = self.rows[i].locked();
+        let row = self.rows[i].common();
         let attempts = u32::try_from(row.attempts).unwrap_or(0);
         tracing::warn!(
             id = %row.id, kind = R::KIND.name(), exchange = row.exchange,

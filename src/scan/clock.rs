@@ -59,7 +59,7 @@ pub(crate) fn due_by(due: &[Instant], first: usize, now: Instant) -> Range<usize
 
 /// The database clock of a lock statement that locked rows: the latest read among them.
 pub(super) fn read_clock<R: Row>(rows: &[R], at: Instant) -> Option<DbClock> {
-    let db = rows.iter().map(|r| r.locked().fired_at).max()?;
+    let db = rows.iter().map(|r| r.common().fired_at).max()?;
     Some(DbClock { at, db })
 }
 

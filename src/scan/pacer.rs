@@ -97,6 +97,17 @@ impl Config {
     }
 }
 
+/// What a batch that locked its rows tells the pacer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Locked {
+    /// It locked a full batch: more rows may wait.
+    pub(crate) full: bool,
+    /// The due time of the last row it locked (rows are locked in due order).
+    pub(crate) last_due: Option<DateTime<Utc>>,
+    /// [`Pacer::epoch`] of its kind when it started.
+    pub(crate) epoch: u64,
+}
+
 /// What a finished batch tells the pacer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Finished {
@@ -137,6 +148,9 @@ struct KindState {
     on_time_more: bool,
     on_time_running: usize,
     backlog_running: usize,
+    /// A backlog batch has started and not yet locked its rows: the next one waits for
+    /// where it ends (see [`Pacer::locked`]).
+    backlog_locking: bool,
     /// When to probe the due index next (`None` while a probe is under way and nothing
     /// asked for another).
     probe_at: Option<Instant>,
@@ -328,12 +342,35 @@ impl Pacer {
 
     /// The batches to start now, by kind and lane.
     #[cfg(test)]
-    fn starts(&mut self, now: Instant) -> Vec<(Kind, Lane)> {
+    fn starts_one(&mut self, now: Instant) -> Vec<(Kind, Lane)> {
         let starts = self.start_positions(now);
         starts
             .into_iter()
             .map(|(i, lane)| (self.served[i], lane))
             .collect()
+    }
+
+    /// The batches to start now, each backlog batch locking at once (a full batch,
+    /// leaving where the scan stands as it was), so that the next may start.
+    #[cfg(test)]
+    fn starts(&mut self, now: Instant) -> Vec<(Kind, Lane)> {
+        let mut all = Vec::new();
+        loop {
+            let starts = self.starts_one(now);
+            if starts.is_empty() {
+                return all;
+            }
+            for &(kind, lane) in &starts {
+                let epoch = self.epoch(kind);
+                let rows = Locked {
+                    full: true,
+                    last_due: None,
+                    epoch,
+                };
+                self.locked(kind, lane, now, Some(rows));
+            }
+            all.extend(starts);
+        }
     }
 
     /// The batches to start now, by position in `kinds`.
@@ -363,6 +400,7 @@ impl Pacer {
             };
             let k = &mut self.kinds[kind];
             k.backlog_running += 1;
+            k.backlog_locking = true;
             free -= 1;
             let lane = if std::mem::take(&mut k.sweep) {
                 Lane::Sweep
@@ -371,7 +409,18 @@ impl Pacer {
             };
             starts.push((kind, lane));
         }
-        self.more_on_time(free, &mut starts);
+        // A backlog waiting for its batch in flight to lock gets its next slot then:
+        // those slots stay the backlog's.
+        let waiting = self
+            .kinds
+            .iter()
+            .any(|k| (k.backlog || k.sweep) && k.backlog_locking);
+        let kept = if waiting {
+            cap.saturating_sub(self.backlog_running()).min(free)
+        } else {
+            0
+        };
+        self.more_on_time(free - kept, &mut starts);
         starts
     }
 
@@ -399,6 +448,34 @@ impl Pacer {
                 free -= 1;
                 starts.push((kind, Lane::OnTime));
             }
+        }
+    }
+
+    /// A batch of `kind` in `lane` locked its rows (`None`: it ended without locking
+    /// any). Backlog batches lock one after the other, each from where the one before
+    /// it ended, so that no lock statement walks the rows another batch holds (`SKIP
+    /// LOCKED` still visits each of them); they send side by side. Told once per batch,
+    /// before [`Pacer::finished`] or [`Pacer::failed`].
+    pub(crate) fn locked(&mut self, kind: Kind, lane: Lane, now: Instant, rows: Option<Locked>) {
+        let Some(kind) = self.position(kind) else {
+            return;
+        };
+        if lane == Lane::OnTime {
+            return;
+        }
+        let k = &mut self.kinds[kind];
+        k.backlog_locking = false;
+        let Some(rows) = rows.filter(|r| r.epoch == k.epoch) else {
+            return;
+        };
+        if rows.full {
+            // Every row due before its last one is sent or held, by it or by an earlier
+            // batch in flight (which starts the drain over if it leaves rows behind).
+            if lane == Lane::Backlog {
+                k.advance(rows.last_due, now);
+            }
+        } else {
+            k.backlog = false;
         }
     }
 
@@ -574,9 +651,10 @@ impl Pacer {
     /// The next kind with a backlog, in turn.
     fn next_backlog(&mut self) -> Option<usize> {
         let n = self.kinds.len();
-        let kind = (0..n)
-            .map(|i| (self.turn + i) % n)
-            .find(|i| self.kinds[*i].backlog || self.kinds[*i].sweep)?;
+        let kind = (0..n).map(|i| (self.turn + i) % n).find(|i| {
+            let k = &self.kinds[*i];
+            (k.backlog || k.sweep) && !k.backlog_locking
+        })?;
         self.turn = (kind + 1) % n;
         Some(kind)
     }

@@ -40,7 +40,7 @@ pub(crate) trait Row:
     fn deadline(&self) -> DateTime<Utc>;
 
     /// The columns every kind's lock statement returns alike.
-    fn locked(&self) -> Locked<'_>;
+    fn common(&self) -> Common<'_>;
 
     /// Record when it is sent (its message says so): never before its due time.
     fn set_fired_at(&mut self, at: DateTime<Utc>);
@@ -48,7 +48,7 @@ pub(crate) trait Row:
 
 /// The columns every due row has, whatever its kind.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Locked<'a> {
+pub(crate) struct Common<'a> {
     pub(crate) id: Uuid,
     /// When it may be sent (the deadline, or a later retry time), by the database clock.
     pub(crate) due_at: DateTime<Utc>,
@@ -86,8 +86,8 @@ impl Row for DueRow {
         self.timeout_at
     }
 
-    fn locked(&self) -> Locked<'_> {
-        Locked {
+    fn common(&self) -> Common<'_> {
+        Common {
             id: self.id,
             due_at: self.due_at,
             fired_at: self.fired_at,
@@ -138,8 +138,8 @@ impl Row for DelayedRow {
         self.deliver_at
     }
 
-    fn locked(&self) -> Locked<'_> {
-        Locked {
+    fn common(&self) -> Common<'_> {
+        Common {
             id: self.id,
             due_at: self.due_at,
             fired_at: self.fired_at,

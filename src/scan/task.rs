@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{Id, JoinError, JoinSet};
 
@@ -18,7 +19,7 @@ use super::Scan;
 use super::batch::{self, BatchError, BatchOutcome};
 use super::checks::{self, health_backoff};
 use super::notice::{self, NOTICES, NoticeState, Notices};
-use super::pacer::{self, Action, Finished, Pacer, Planned, Probing};
+use super::pacer::{self, Action, Finished, Locked, Pacer, Planned, Probing};
 use super::report::{Summary, record};
 use crate::backoff::Backoff;
 use crate::bus::Bus;
@@ -103,28 +104,85 @@ pub(crate) async fn run(scan: Arc<Scan>) {
 
 /// The batches and probes under way, each with what it is (by task id: a task that
 /// panicked returns nothing to tell it by, and the pacer must still hear of its end).
-#[derive(Default)]
 struct InFlight {
     batches: JoinSet<Result<BatchOutcome, BatchError>>,
-    batch_of: Vec<(Id, Planned)>,
+    /// Each batch's plan, and whether the pacer heard it locked.
+    batch_of: Vec<(Id, (Planned, bool))>,
+    /// Batches that locked their rows: whether a full batch, the due time of the last.
+    locks: mpsc::UnboundedReceiver<LockNews>,
+    tell_locked: mpsc::UnboundedSender<LockNews>,
     probes: JoinSet<Probed>,
     probe_of: Vec<(Id, Kind)>,
 }
 
+/// A batch locked its rows: which, whether a full batch, the due time of its last row.
+type LockNews = (Id, bool, Option<DateTime<Utc>>);
+
 impl InFlight {
+    fn new() -> Self {
+        let (tell_locked, locks) = mpsc::unbounded_channel();
+        Self {
+            batches: JoinSet::new(),
+            batch_of: Vec::new(),
+            locks,
+            tell_locked,
+            probes: JoinSet::new(),
+            probe_of: Vec::new(),
+        }
+    }
+
+    /// Tell the pacer that batch `id` locked its rows (`None`: it ended without), once.
+    fn locked(&mut self, pacer: &mut Pacer, id: Id, rows: Option<(bool, Option<DateTime<Utc>>)>) {
+        let Some((planned, told)) = self
+            .batch_of
+            .iter_mut()
+            .find_map(|(task, b)| (*task == id).then_some(b))
+        else {
+            return;
+        };
+        if std::mem::replace(told, true) {
+            return;
+        }
+        let rows = rows.map(|(full, last_due)| Locked {
+            full,
+            last_due,
+            epoch: planned.epoch,
+        });
+        pacer.locked(planned.kind, planned.lane, Instant::now(), rows);
+    }
+
+    /// Tell the pacer of every lock reported so far (before any batch's end: a batch
+    /// reports its lock before it can end).
+    fn take_locks(&mut self, pacer: &mut Pacer) {
+        while let Ok((id, full, last_due)) = self.locks.try_recv() {
+            self.locked(pacer, id, Some((full, last_due)));
+        }
+    }
+
     fn start(&mut self, scan: &Arc<Scan>, bus: &Arc<Bus>, action: Action) {
         match action {
             Action::Batch(planned) => {
                 tracing::trace!(kind = planned.kind.name(), lane = ?planned.lane, from = ?planned.window.from, "starting a batch");
                 let (scan, bus) = (scan.clone(), bus.clone());
-                let window = planned.window;
+                let (window, tell) = (planned.window, self.tell_locked.clone());
                 let task = self.batches.spawn(async move {
+                    let locked = move |full, last_due| {
+                        if let Some(id) = tokio::task::try_id() {
+                            // The receiver lives as long as the spell: a send can only
+                            // fail once nobody waits for the news.
+                            let _ = tell.send((id, full, last_due));
+                        }
+                    };
                     match planned.kind {
-                        Kind::Expectation => batch::run::<DueRow>(&scan, &bus, window).await,
-                        Kind::Delayed => batch::run::<DelayedRow>(&scan, &bus, window).await,
+                        Kind::Expectation => {
+                            batch::run::<DueRow>(&scan, &bus, window, locked).await
+                        }
+                        Kind::Delayed => {
+                            batch::run::<DelayedRow>(&scan, &bus, window, locked).await
+                        }
                     }
                 });
-                self.batch_of.push((task.id(), planned));
+                self.batch_of.push((task.id(), (planned, false)));
             }
             // Read-only: one still under way when the spell ends is dropped.
             Action::Probe(Probing { kind, after, from }) => {
@@ -170,7 +228,7 @@ async fn active_spell(
     };
     // Probes run as tasks too: one walking many deleted index entries (seconds after a
     // large drain) holds up neither the other kinds nor the batches' starts.
-    let mut in_flight = InFlight::default();
+    let mut in_flight = InFlight::new();
     let mut lease = scan.lease.clone();
     let mut bus_rx = scan.bus.clone();
     let mut busy_at = Instant::now();
@@ -214,6 +272,9 @@ async fn active_spell(
             _ = bus_rx.changed() => if !still_on(&mut bus_rx, bus) { break },
             Some(joined) = in_flight.batches.join_next_with_id(), if !in_flight.batches.is_empty() => {
                 finished(scan, &mut spell, summary, &mut in_flight, joined);
+            }
+            Some((id, full, last_due)) = in_flight.locks.recv() => {
+                in_flight.locked(&mut spell.pacer, id, Some((full, last_due)));
             }
             Some(joined) = in_flight.probes.join_next_with_id(), if !in_flight.probes.is_empty() => {
                 probed(scan, &mut spell.pacer, &mut in_flight, joined);
@@ -268,7 +329,7 @@ fn abandon_batches(scan: &Scan, in_flight: &mut InFlight) {
     let kinds: Vec<&str> = in_flight
         .batch_of
         .iter()
-        .map(|(_, b)| b.kind.name())
+        .map(|(_, (b, _))| b.kind.name())
         .collect();
     scan.stopping.abandon(format!(
         "{} scan batch(es) in flight ({}): not known to be committed; rows they published \
@@ -340,10 +401,16 @@ fn finished(
     in_flight: &mut InFlight,
     joined: Result<(Id, Result<BatchOutcome, BatchError>), JoinError>,
 ) {
+    let id = task_id(&joined);
+    in_flight.take_locks(&mut spell.pacer);
+    in_flight.locked(&mut spell.pacer, id, None);
     let now = Instant::now();
-    let Some(Planned {
-        kind, lane, epoch, ..
-    }) = take(&mut in_flight.batch_of, task_id(&joined))
+    let Some((
+        Planned {
+            kind, lane, epoch, ..
+        },
+        _,
+    )) = take(&mut in_flight.batch_of, id)
     else {
         return;
     };

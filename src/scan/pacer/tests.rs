@@ -875,3 +875,126 @@ fn a_probe_begun_before_the_scan_forgot_where_it_stood_teaches_it_nothing() {
     p.probed(E, again, probe(Some(-1.0), None));
     assert!(p.window(E, Lane::Backlog).from.is_some());
 }
+
+fn locked(p: &Pacer, full: bool, last_due: DateTime<Utc>) -> Option<Locked> {
+    Some(Locked {
+        full,
+        last_due: Some(last_due),
+        epoch: p.epoch(E),
+    })
+}
+
+/// No backlog batch's lock statement walks the rows another holds: the next starts when
+/// the one before it has locked, from its last row; they send side by side.
+#[test]
+fn backlog_batches_lock_one_after_the_other_each_from_where_the_last_ended() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(3, 1), &[E], now);
+    p.probed(E, now, probe(Some(-3600.0), None));
+    assert_eq!(p.starts_one(now), vec![(E, Lane::Backlog)]);
+    assert!(
+        p.starts_one(now).is_empty(),
+        "the second waits for the first's lock"
+    );
+    let first_end = db(at, -3_500_000);
+    p.locked(E, Lane::Backlog, now, locked(&p, true, first_end));
+    assert_eq!(p.window(E, Lane::Backlog).from, Some(first_end));
+    assert_eq!(p.starts_one(now), vec![(E, Lane::Backlog)]);
+    let second_end = db(at, -3_400_000);
+    p.locked(E, Lane::Backlog, now, locked(&p, true, second_end));
+    assert_eq!(p.window(E, Lane::Backlog).from, Some(second_end));
+    assert!(
+        p.starts_one(now).is_empty(),
+        "two of three slots: the backlog's share"
+    );
+    // The first ends: its slot goes to the next backlog batch, from the second's end.
+    p.finished(
+        E,
+        Lane::Backlog,
+        now + MS,
+        backlog_done(500, true, 0, first_end),
+    );
+    assert_eq!(p.window(E, Lane::Backlog).from, Some(second_end));
+    assert_eq!(p.starts_one(now + MS), vec![(E, Lane::Backlog)]);
+}
+
+/// A lock that comes back short ends the backlog (nothing more behind it); one that
+/// failed lets the next batch try from the same place; one begun before the scan forgot
+/// where it stood moves nothing.
+#[test]
+fn a_short_lock_ends_the_backlog_and_a_failed_or_stale_one_moves_nothing() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), &[E], now);
+    p.probed(E, now, probe(Some(-3600.0), None));
+    let from = p.window(E, Lane::Backlog).from;
+    assert_eq!(p.starts_one(now), vec![(E, Lane::Backlog)]);
+    p.locked(E, Lane::Backlog, now, None);
+    assert_eq!(p.window(E, Lane::Backlog).from, from);
+    assert_eq!(p.starts_one(now), vec![(E, Lane::Backlog)]);
+    let stale = Locked {
+        full: true,
+        last_due: Some(db(at, -100)),
+        epoch: p.epoch(E) + 1,
+    };
+    p.locked(E, Lane::Backlog, now, Some(stale));
+    assert_eq!(p.window(E, Lane::Backlog).from, from);
+    assert_eq!(p.starts_one(now), vec![(E, Lane::Backlog)]);
+    p.locked(E, Lane::Backlog, now, locked(&p, false, db(at, -3000)));
+    assert!(p.starts_one(now).is_empty(), "the backlog is drained");
+}
+
+proptest! {
+    /// Whatever happens, at most one backlog batch per kind is locking at a time, and
+    /// batches in flight never exceed `concurrency`.
+    #[test]
+    fn one_backlog_lock_at_a_time(
+        events in proptest::collection::vec(event(), 1..200),
+        locks in proptest::collection::vec(0..8usize, 200),
+    ) {
+        let (mut now, at) = t0();
+        let mut p = Pacer::new(config(4, 1), &[E, D], now);
+        // Running batches: kind, lane, and whether it locked.
+        let mut running: Vec<(Kind, Lane, bool)> = Vec::new();
+        let mut locks = locks.into_iter();
+        let clock = DbClock { at: now, db: at };
+        for e in events {
+            match e {
+                Event::Probed(k, earliest, beyond) => p.probed(k, now, probe(Some(earliest), Some(beyond))),
+                Event::Finish(i, full, untouched) if !running.is_empty() => {
+                    let (k, lane, did) = running.remove(i % running.len());
+                    if !did {
+                        p.locked(k, lane, now, None);
+                    }
+                    let f = Finished { full, untouched, epoch: p.epoch(k), ..short(clock, 10, db(at, 100)) };
+                    p.finished(k, lane, now, f);
+                }
+                Event::Fail(i) if !running.is_empty() => {
+                    let (k, lane, did) = running.remove(i % running.len());
+                    if !did {
+                        p.locked(k, lane, now, None);
+                    }
+                    p.failed(k, lane, now, 100 * MS);
+                }
+                Event::Notify(k, ms) => p.notified(k, Some(db(at, ms)), now),
+                Event::Advance(ms) => now += Duration::from_millis(ms),
+                _ => {}
+            }
+            if let (Some(i), false) = (locks.next(), running.is_empty()) {
+                let n = running.len();
+                let (k, lane, did) = &mut running[i % n];
+                if !*did {
+                    *did = true;
+                    let rows = Locked { full: true, last_due: Some(db(at, -1000)), epoch: p.epoch(*k) };
+                    p.locked(*k, *lane, now, Some(rows));
+                }
+            }
+            running.extend(p.starts_one(now).into_iter().map(|(k, l)| (k, l, l == Lane::OnTime)));
+            prop_assert_eq!(p.running(), running.len());
+            prop_assert!(running.len() <= 4);
+            for kind in [E, D] {
+                let locking = running.iter().filter(|(k, l, did)| *k == kind && *l != Lane::OnTime && !did).count();
+                prop_assert!(locking <= 1, "{kind:?}: {locking} backlog batches locking at once");
+            }
+        }
+    }
+}
