@@ -61,6 +61,27 @@ pub(crate) struct Common<'a> {
     pub(crate) routing_key: &'a str,
 }
 
+/// The columns both kinds' lock statements return by the same names.
+macro_rules! common_columns {
+    () => {
+        fn common(&self) -> Common<'_> {
+            Common {
+                id: self.id,
+                due_at: self.due_at,
+                fired_at: self.fired_at,
+                window_end: self.window_end,
+                attempts: self.attempts,
+                exchange: &self.exchange,
+                routing_key: &self.routing_key,
+            }
+        }
+
+        fn set_fired_at(&mut self, at: DateTime<Utc>) {
+            self.fired_at = at;
+        }
+    };
+}
+
 /// The process manager's expectations, fired as TimeOuts.
 impl Row for DueRow {
     const KIND: Kind = Kind::Expectation;
@@ -86,21 +107,7 @@ impl Row for DueRow {
         self.timeout_at
     }
 
-    fn common(&self) -> Common<'_> {
-        Common {
-            id: self.id,
-            due_at: self.due_at,
-            fired_at: self.fired_at,
-            window_end: self.window_end,
-            attempts: self.attempts,
-            exchange: &self.exchange,
-            routing_key: &self.routing_key,
-        }
-    }
-
-    fn set_fired_at(&mut self, at: DateTime<Utc>) {
-        self.fired_at = at;
-    }
+    common_columns!();
 }
 
 /// Messages published with a delay, delivered as they were.
@@ -138,19 +145,5 @@ impl Row for DelayedRow {
         self.deliver_at
     }
 
-    fn common(&self) -> Common<'_> {
-        Common {
-            id: self.id,
-            due_at: self.due_at,
-            fired_at: self.fired_at,
-            window_end: self.window_end,
-            attempts: self.attempts,
-            exchange: &self.exchange,
-            routing_key: &self.routing_key,
-        }
-    }
-
-    fn set_fired_at(&mut self, at: DateTime<Utc>) {
-        self.fired_at = at;
-    }
+    common_columns!();
 }

@@ -504,46 +504,6 @@ fn event() -> impl Strategy<Value = Event> {
     ]
 }
 
-proptest! {
-    /// Whatever happens, batches in flight never exceed `concurrency`, the backlog never
-    /// takes the fresh slots, and the pacer never asks to wake in the past.
-    #[test]
-    fn slots_are_never_exceeded(
-        concurrency in 1..6usize,
-        fresh in 0..3usize,
-        events in proptest::collection::vec(event(), 1..200),
-    ) {
-        let fresh_slots = fresh.min(concurrency - 1);
-        let (mut now, at) = t0();
-        let mut p = Pacer::new(config(concurrency, fresh_slots), &[E, D], now);
-        let mut running: Vec<(Kind, Lane)> = Vec::new();
-        for e in events {
-            match e {
-                Event::Probed(k, earliest, beyond) => p.probed(k, now, probe(Some(earliest), Some(beyond))),
-                Event::Finish(i, full, untouched) if !running.is_empty() => {
-                    let (k, lane) = running.remove(i % running.len());
-                    let clock = DbClock { at: now, db: at };
-                    let f = Finished { full, untouched, ..short(clock, 10, db(at, 100)) };
-                    p.finished(k, lane, now, f);
-                }
-                Event::Fail(i) if !running.is_empty() => {
-                    let (k, lane) = running.remove(i % running.len());
-                    p.failed(k, lane, now, 100 * MS);
-                }
-                Event::Notify(k, ms) => p.notified(k, Some(db(at, ms)), now),
-                Event::Advance(ms) => now += Duration::from_millis(ms),
-                _ => {}
-            }
-            running.extend(p.starts(now));
-            prop_assert_eq!(p.running(), running.len());
-            prop_assert!(running.len() <= concurrency);
-            let backlog = running.iter().filter(|(_, l)| *l == Lane::Backlog).count();
-            prop_assert!(backlog <= concurrency - fresh_slots);
-            prop_assert!(p.wake_at(now) > now);
-        }
-    }
-}
-
 fn backlog_done(locked: usize, full: bool, untouched: usize, last: DateTime<Utc>) -> Finished {
     Finished {
         locked,
@@ -944,15 +904,19 @@ fn a_short_lock_ends_the_backlog_and_a_failed_or_stale_one_moves_nothing() {
 }
 
 proptest! {
-    /// Whatever happens, at most one backlog batch per kind is locking at a time, and
-    /// batches in flight never exceed `concurrency`.
+    /// Whatever happens, batches in flight never exceed `concurrency`, the backlog never
+    /// takes the fresh slots, at most one backlog batch per kind is locking at a time,
+    /// and the pacer never asks to wake in the past.
     #[test]
-    fn one_backlog_lock_at_a_time(
+    fn slots_are_never_exceeded_and_backlog_locks_never_overlap(
+        concurrency in 1..6usize,
+        fresh in 0..3usize,
         events in proptest::collection::vec(event(), 1..200),
         locks in proptest::collection::vec(0..8usize, 200),
     ) {
+        let fresh_slots = fresh.min(concurrency - 1);
         let (mut now, at) = t0();
-        let mut p = Pacer::new(config(4, 1), &[E, D], now);
+        let mut p = Pacer::new(config(concurrency, fresh_slots), &[E, D], now);
         // Running batches: kind, lane, and whether it locked.
         let mut running: Vec<(Kind, Lane, bool)> = Vec::new();
         let mut locks = locks.into_iter();
@@ -990,7 +954,10 @@ proptest! {
             }
             running.extend(p.starts_one(now).into_iter().map(|(k, l)| (k, l, l == Lane::OnTime)));
             prop_assert_eq!(p.running(), running.len());
-            prop_assert!(running.len() <= 4);
+            prop_assert!(running.len() <= concurrency);
+            let backlog = running.iter().filter(|(_, l, _)| *l != Lane::OnTime).count();
+            prop_assert!(backlog <= concurrency - fresh_slots);
+            prop_assert!(p.wake_at(now) > now);
             for kind in [E, D] {
                 let locking = running.iter().filter(|(k, l, did)| *k == kind && *l != Lane::OnTime && !did).count();
                 prop_assert!(locking <= 1, "{kind:?}: {locking} backlog batches locking at once");
