@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{Id, JoinError, JoinSet};
 
@@ -106,17 +105,25 @@ pub(crate) async fn run(scan: Arc<Scan>) {
 /// panicked returns nothing to tell it by, and the pacer must still hear of its end).
 struct InFlight {
     batches: JoinSet<Result<BatchOutcome, BatchError>>,
-    /// Each batch's plan, and whether the pacer heard it locked.
-    batch_of: Vec<(Id, (Planned, bool))>,
-    /// Batches that locked their rows: whether a full batch, the due time of the last.
+    batch_of: Vec<(Id, Running)>,
+    /// What batches tell as soon as they have locked their rows.
     locks: mpsc::UnboundedReceiver<LockNews>,
     tell_locked: mpsc::UnboundedSender<LockNews>,
     probes: JoinSet<Probed>,
     probe_of: Vec<(Id, Kind)>,
 }
 
-/// A batch locked its rows: which, whether a full batch, the due time of its last row.
-type LockNews = (Id, bool, Option<DateTime<Utc>>);
+/// A batch in flight: its plan, and whether the pacer heard it locked.
+struct Running {
+    planned: Planned,
+    lock_told: bool,
+}
+
+/// A batch locked its rows.
+struct LockNews {
+    task: Id,
+    rows: Locked,
+}
 
 impl InFlight {
     fn new() -> Self {
@@ -132,30 +139,26 @@ impl InFlight {
     }
 
     /// Tell the pacer that batch `id` locked its rows (`None`: it ended without), once.
-    fn locked(&mut self, pacer: &mut Pacer, id: Id, rows: Option<(bool, Option<DateTime<Utc>>)>) {
-        let Some((planned, told)) = self
+    fn locked(&mut self, pacer: &mut Pacer, id: Id, rows: Option<Locked>) {
+        let Some(running) = self
             .batch_of
             .iter_mut()
-            .find_map(|(task, b)| (*task == id).then_some(b))
+            .find_map(|(task, r)| (*task == id).then_some(r))
         else {
             return;
         };
-        if std::mem::replace(told, true) {
+        if std::mem::replace(&mut running.lock_told, true) {
             return;
         }
-        let rows = rows.map(|(full, last_due)| Locked {
-            full,
-            last_due,
-            epoch: planned.epoch,
-        });
-        pacer.locked(planned.kind, planned.lane, Instant::now(), rows);
+        let Planned { kind, lane, .. } = running.planned;
+        pacer.locked(kind, lane, Instant::now(), rows);
     }
 
     /// Tell the pacer of every lock reported so far (before any batch's end: a batch
     /// reports its lock before it can end).
     fn take_locks(&mut self, pacer: &mut Pacer) {
-        while let Ok((id, full, last_due)) = self.locks.try_recv() {
-            self.locked(pacer, id, Some((full, last_due)));
+        while let Ok(news) = self.locks.try_recv() {
+            self.locked(pacer, news.task, Some(news.rows));
         }
     }
 
@@ -167,10 +170,15 @@ impl InFlight {
                 let (window, tell) = (planned.window, self.tell_locked.clone());
                 let task = self.batches.spawn(async move {
                     let locked = move |full, last_due| {
-                        if let Some(id) = tokio::task::try_id() {
+                        if let Some(task) = tokio::task::try_id() {
+                            let rows = Locked {
+                                full,
+                                last_due,
+                                epoch: planned.epoch,
+                            };
                             // The receiver lives as long as the spell: a send can only
                             // fail once nobody waits for the news.
-                            let _ = tell.send((id, full, last_due));
+                            let _ = tell.send(LockNews { task, rows });
                         }
                     };
                     match planned.kind {
@@ -182,7 +190,11 @@ impl InFlight {
                         }
                     }
                 });
-                self.batch_of.push((task.id(), (planned, false)));
+                let running = Running {
+                    planned,
+                    lock_told: false,
+                };
+                self.batch_of.push((task.id(), running));
             }
             // Read-only: one still under way when the spell ends is dropped.
             Action::Probe(Probing { kind, after, from }) => {
@@ -273,8 +285,8 @@ async fn active_spell(
             Some(joined) = in_flight.batches.join_next_with_id(), if !in_flight.batches.is_empty() => {
                 finished(scan, &mut spell, summary, &mut in_flight, joined);
             }
-            Some((id, full, last_due)) = in_flight.locks.recv() => {
-                in_flight.locked(&mut spell.pacer, id, Some((full, last_due)));
+            Some(news) = in_flight.locks.recv() => {
+                in_flight.locked(&mut spell.pacer, news.task, Some(news.rows));
             }
             Some(joined) = in_flight.probes.join_next_with_id(), if !in_flight.probes.is_empty() => {
                 probed(scan, &mut spell.pacer, &mut in_flight, joined);
@@ -329,7 +341,7 @@ fn abandon_batches(scan: &Scan, in_flight: &mut InFlight) {
     let kinds: Vec<&str> = in_flight
         .batch_of
         .iter()
-        .map(|(_, (b, _))| b.kind.name())
+        .map(|(_, r)| r.planned.kind.name())
         .collect();
     scan.stopping.abandon(format!(
         "{} scan batch(es) in flight ({}): not known to be committed; rows they published \
@@ -405,12 +417,12 @@ fn finished(
     in_flight.take_locks(&mut spell.pacer);
     in_flight.locked(&mut spell.pacer, id, None);
     let now = Instant::now();
-    let Some((
-        Planned {
+    let Some(Running {
+        planned: Planned {
             kind, lane, epoch, ..
         },
-        _,
-    )) = take(&mut in_flight.batch_of, id)
+        ..
+    }) = take(&mut in_flight.batch_of, id)
     else {
         return;
     };
