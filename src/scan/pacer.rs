@@ -148,8 +148,8 @@ struct KindState {
     on_time_more: bool,
     on_time_running: usize,
     backlog_running: usize,
-    /// A backlog batch has started and not yet locked its rows: the next one waits for
-    /// where it ends (see [`Pacer::locked`]).
+    /// A backlog batch (not a sweep) has started and not yet locked its rows: the next
+    /// one waits for where it ends (see [`Pacer::locked`]).
     backlog_locking: bool,
     /// When to probe the due index next (`None` while a probe is under way and nothing
     /// asked for another).
@@ -400,21 +400,20 @@ impl Pacer {
             };
             let k = &mut self.kinds[kind];
             k.backlog_running += 1;
-            k.backlog_locking = true;
             free -= 1;
+            // A sweep looks from the start of the index, apart from the drain: it may
+            // walk many deleted entries, and the drain does not wait for its lock.
             let lane = if std::mem::take(&mut k.sweep) {
                 Lane::Sweep
             } else {
+                k.backlog_locking = true;
                 Lane::Backlog
             };
             starts.push((kind, lane));
         }
         // A backlog waiting for its batch in flight to lock gets its next slot then:
         // those slots stay the backlog's.
-        let waiting = self
-            .kinds
-            .iter()
-            .any(|k| (k.backlog || k.sweep) && k.backlog_locking);
+        let waiting = self.kinds.iter().any(|k| k.backlog && k.backlog_locking);
         let kept = if waiting {
             cap.saturating_sub(self.backlog_running()).min(free)
         } else {
@@ -460,7 +459,7 @@ impl Pacer {
         let Some(kind) = self.position(kind) else {
             return;
         };
-        if lane == Lane::OnTime {
+        if lane != Lane::Backlog {
             return;
         }
         let k = &mut self.kinds[kind];
@@ -471,9 +470,7 @@ impl Pacer {
         if rows.full {
             // Every row due before its last one is sent or held, by it or by an earlier
             // batch in flight (which starts the drain over if it leaves rows behind).
-            if lane == Lane::Backlog {
-                k.advance(rows.last_due, now);
-            }
+            k.advance(rows.last_due, now);
         } else {
             k.backlog = false;
         }
@@ -653,7 +650,7 @@ impl Pacer {
         let n = self.kinds.len();
         let kind = (0..n).map(|i| (self.turn + i) % n).find(|i| {
             let k = &self.kinds[*i];
-            (k.backlog || k.sweep) && !k.backlog_locking
+            k.sweep || (k.backlog && !k.backlog_locking)
         })?;
         self.turn = (kind + 1) % n;
         Some(kind)

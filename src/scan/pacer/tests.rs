@@ -959,9 +959,46 @@ proptest! {
             prop_assert!(backlog <= concurrency - fresh_slots);
             prop_assert!(p.wake_at(now) > now);
             for kind in [E, D] {
-                let locking = running.iter().filter(|(k, l, did)| *k == kind && *l != Lane::OnTime && !did).count();
+                let locking = running.iter().filter(|(k, l, did)| *k == kind && *l == Lane::Backlog && !did).count();
                 prop_assert!(locking <= 1, "{kind:?}: {locking} backlog batches locking at once");
             }
         }
     }
+}
+
+/// A sweep walks the deleted entries from the start of the index: the drain neither
+/// waits for its lock nor holds it up.
+#[test]
+fn a_sweep_neither_waits_for_the_drains_lock_nor_holds_it_up() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(4, 1), &[E], now);
+    p.probed(E, now, probe(Some(-3600.0), None));
+    assert_eq!(p.starts_one(now), vec![(E, Lane::Backlog)]);
+    p.locked(E, Lane::Backlog, now, locked(&p, true, db(at, -3_000_000)));
+    let later = now + BACKLOG_RESCAN;
+    assert_eq!(
+        p.starts_one(later),
+        vec![(E, Lane::Sweep), (E, Lane::Backlog)]
+    );
+    p.locked(
+        E,
+        Lane::Backlog,
+        later,
+        locked(&p, true, db(at, -2_000_000)),
+    );
+    assert!(
+        p.starts_one(later).is_empty(),
+        "three of four: the backlog's share"
+    );
+    p.finished(
+        E,
+        Lane::Backlog,
+        later,
+        backlog_done(500, true, 0, db(at, -3_000_000)),
+    );
+    assert_eq!(
+        p.starts_one(later),
+        vec![(E, Lane::Backlog)],
+        "the sweep has not locked"
+    );
 }
