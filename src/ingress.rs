@@ -324,7 +324,7 @@ async fn take_in(ctx: &Intake, batch: Vec<Arrived>, judge: &Judge) -> Result<Opt
         judge.warn(bound.result(), outcome.held[bound as usize], &what);
     }
     judge.warn(
-        OVER_QUOTA,
+        crate::metrics::OVER_QUOTA,
         outcome.over_quota.len() as u64,
         "delayed messages over their owner's delay.max_pending_per_owner or \
          delay.max_bytes_per_owner rejected to the broker (dead-lettered if the ingress \
@@ -340,9 +340,6 @@ async fn take_in(ctx: &Intake, batch: Vec<Arrived>, judge: &Judge) -> Result<Opt
     let last = tags.iter().rev().copied().find(|t| !reject.contains(t));
     Ok(Some(Taken { last, reject }))
 }
-
-/// The `result` label of a message rejected over its owner's quota.
-pub(crate) const OVER_QUOTA: &str = "rejected_over_quota";
 
 /// Reject what was over quota, then acknowledge the rest (`multiple` would acknowledge
 /// the rejected ones too if it came first). Stored but not acknowledged is safe: the

@@ -22,6 +22,9 @@ use uuid::Uuid;
 
 use crate::store::{Bound, IngestOutcome, Kind, PendingCounts};
 
+/// The `result` label of a delayed message rejected over its owner's quota.
+pub(crate) const OVER_QUOTA: &str = "rejected_over_quota";
+
 /// The `kind` of expectations (see `Kind::name`).
 const EXPECTATION: &str = "expectation";
 
@@ -539,7 +542,7 @@ impl Metrics {
             ("duplicate", o.duplicates),
             ("cancelled", o.cancelled),
             ("arrived_cancelled", o.arrived_cancelled),
-            (crate::ingress::OVER_QUOTA, o.over_quota.len() as u64),
+            (OVER_QUOTA, o.over_quota.len() as u64),
         ]
         .into_iter()
         .chain(Bound::ALL.map(|b| (b.result(), o.held[b as usize])));

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use chrono::{DateTime, Utc};
 
 use super::Scan;
-use super::task::FRESH;
+use super::pacer::FRESH;
 use crate::backoff::Backoff;
 use crate::health::Check;
 use crate::kind::Kind;

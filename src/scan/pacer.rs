@@ -44,6 +44,9 @@ use crate::store::{NextDue, Window};
 /// the scan knows where it stands.
 pub(crate) const BACKLOG_RESCAN: Duration = Duration::from_secs(30);
 
+/// Rows overdue by more than this are a backlog.
+pub(crate) const FRESH: Duration = Duration::from_secs(1);
+
 /// Taken off a probed earliest due time before it bounds anything: the time is computed
 /// from a float of seconds, which may round it up a little.
 const PROBE_ROUNDING: chrono::Duration = chrono::Duration::milliseconds(1);

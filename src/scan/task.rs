@@ -28,8 +28,6 @@ use crate::kind::Kind;
 use crate::store::{DelayedRow, DueRow, NextDue};
 use crate::telemetry::Chain;
 
-/// Rows overdue by more than this are a backlog (see `pacer`).
-pub(super) const FRESH: Duration = Duration::from_secs(1);
 /// An active node that ran no batch for this long closes the connections its batches
 /// opened, keeping one per kind for the probes; batches that come closer together than
 /// this reuse them.
@@ -325,7 +323,7 @@ fn pacing(scan: &Scan) -> pacer::Config {
     pacer::Config {
         horizon: s.horizon,
         lead: pacer::Config::lead_for(s.horizon),
-        fresh: FRESH,
+        fresh: pacer::FRESH,
         concurrency: s.concurrency as usize,
         fresh_slots: s.fresh_slots as usize,
         tick,
