@@ -761,6 +761,22 @@ where
         .await?)
 }
 
+/// The value of column `name` of a due row, expected at position `index`: found there
+/// by comparing its name, which costs far less per row than sqlx's lookup by name (a
+/// hash of the name, for every column of every row); looked up by name where a
+/// statement put it elsewhere.
+fn column<'r, T>(row: &'r sqlx::postgres::PgRow, index: usize, name: &str) -> Result<T, sqlx::Error>
+where
+    T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    use sqlx::Column;
+    if row.columns().get(index).is_some_and(|c| c.name() == name) {
+        row.try_get(index)
+    } else {
+        row.try_get(name)
+    }
+}
+
 /// The statements are built from a validated identifier only (see `Sql::new`).
 fn safe(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(sql.clone())
