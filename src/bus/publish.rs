@@ -807,6 +807,234 @@ fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
 mod tests {
     use super::*;
 
+    fn acked(returned: Option<(&str, &str)>) -> End {
+        End::Answered(Answer {
+            ack: true,
+            returned: returned.map(|(id, why)| (id.to_owned(), why.to_owned())),
+        })
+    }
+
+    fn judged(ids: &[&str], ends: Vec<(usize, End)>) -> (Vec<(usize, Fate)>, bool) {
+        let mut fates = Vec::new();
+        let clean = judge_shared(ids, ends, &mut fates);
+        (fates, clean)
+    }
+
+    #[test]
+    fn a_shared_channel_judges_each_message_by_its_own_confirm() {
+        let nacked = End::Answered(Answer {
+            ack: false,
+            returned: None,
+        });
+        let (fates, clean) = judged(&["a", "b"], vec![(4, acked(None)), (7, nacked)]);
+        assert_eq!(
+            fates,
+            vec![
+                (4, Fate::Confirmed),
+                (7, Fate::Failed(PublishError::Nacked))
+            ]
+        );
+        assert!(clean, "every confirm came in: the channel may serve again");
+    }
+
+    #[test]
+    fn a_return_is_matched_by_message_id_whichever_confirm_brought_it() {
+        // lapin hands "b"'s return to the confirm of "a".
+        let ends = vec![(0, acked(Some(("b", "312 NO_ROUTE")))), (1, acked(None))];
+        let (fates, clean) = judged(&["a", "b"], ends);
+        assert_eq!(
+            fates,
+            vec![
+                (0, Fate::Confirmed),
+                (
+                    1,
+                    Fate::Failed(PublishError::Returned("312 NO_ROUTE".into()))
+                )
+            ]
+        );
+        assert!(clean);
+    }
+
+    #[test]
+    fn no_confirm_times_out_and_a_closed_channel_leaves_the_fate_unknown() {
+        let after = Duration::from_secs(5);
+        let ends = vec![
+            (0, End::TimedOut(after)),
+            (1, End::Closed("channel closed".into(), Refusal::Message)),
+            (2, End::NotSent),
+            // A return that came in before its channel closed still says what happened.
+            (3, End::Closed("channel closed".into(), Refusal::Message)),
+            (4, acked(Some(("d", "312 NO_ROUTE")))),
+        ];
+        let (fates, clean) = judged(&["a", "b", "c", "d", "e"], ends);
+        assert_eq!(
+            fates,
+            vec![
+                (0, Fate::Failed(PublishError::ConfirmTimeout(after))),
+                (1, Fate::Unknown("channel closed".into())),
+                (2, Fate::Unsent),
+                (
+                    3,
+                    Fate::Failed(PublishError::Returned("312 NO_ROUTE".into()))
+                ),
+                (4, Fate::Confirmed),
+            ]
+        );
+        assert!(!clean, "confirms may still arrive on that channel");
+    }
+
+    #[test]
+    fn unsent_messages_leave_the_channel_clean() {
+        let (fates, clean) = judged(&["a"], vec![(0, End::NotSent)]);
+        assert_eq!(fates, vec![(0, Fate::Unsent)]);
+        assert!(clean);
+    }
+
+    fn shape(exchange: &'static str, routing_key: &'static str) -> Shape<'static> {
+        Shape {
+            exchange,
+            routing_key,
+            size: 1,
+            alone: false,
+        }
+    }
+
+    fn sorted(mut d: Decided) -> (Vec<(usize, Fate)>, Vec<usize>, bool) {
+        d.fates.sort_by_key(|(i, _)| *i);
+        (d.fates, d.replan, d.trouble.is_some())
+    }
+
+    #[test]
+    fn a_pilot_refused_for_its_exchange_fails_that_exchange_alone() {
+        let shapes = [shape("x", "a"), shape("x", "b"), shape("y", "a")];
+        let e = PublishError::NoExchange("x".into());
+        let alone = Alone::Refused(Refusal::Exchange, e.clone());
+        let (fates, replan, trouble) = sorted(decide_alone(&shapes, 0, vec![1, 2], alone));
+        assert_eq!(
+            fates,
+            vec![(0, Fate::Failed(e.clone())), (1, Fate::Failed(e))]
+        );
+        assert_eq!((replan, trouble), (vec![2], false));
+    }
+
+    #[test]
+    fn a_topic_refusal_fails_that_routing_key_alone() {
+        let shapes = [shape("x", "a"), shape("x", "b"), shape("x", "a")];
+        let e = PublishError::Refused("ACCESS_REFUSED".into());
+        let alone = Alone::Refused(Refusal::RoutingKey, e.clone());
+        let (fates, replan, _) = sorted(decide_alone(&shapes, 0, vec![1, 2], alone));
+        assert_eq!(
+            fates,
+            vec![(0, Fate::Failed(e.clone())), (2, Fate::Failed(e))]
+        );
+        assert_eq!(replan, vec![1]);
+    }
+
+    #[test]
+    fn a_refusal_of_the_message_itself_fails_it_alone() {
+        let shapes = [shape("x", "a"), shape("x", "a")];
+        for refusal in [Refusal::Message, Refusal::Size { limit: Some(1) }] {
+            let e = PublishError::Channel("PRECONDITION_FAILED".into());
+            let alone = Alone::Refused(refusal, e.clone());
+            let (fates, replan, _) = sorted(decide_alone(&shapes, 0, vec![1], alone));
+            assert_eq!(fates, vec![(0, Fate::Failed(e))]);
+            assert_eq!(replan, vec![1]);
+        }
+    }
+
+    #[test]
+    fn what_waits_for_a_pilot_goes_on_only_once_it_was_delivered() {
+        let shapes = [shape("x", "a"), shape("x", "a"), shape("x", "a")];
+        let (fates, replan, _) = sorted(decide_alone(
+            &shapes,
+            0,
+            vec![1, 2],
+            Alone::Delivered(Fate::Confirmed),
+        ));
+        assert_eq!((fates, replan), (vec![(0, Fate::Confirmed)], vec![1, 2]));
+        let after = Duration::from_secs(5);
+        let unanswered = [
+            (
+                Alone::TimedOut(PublishError::ConfirmTimeout(after)),
+                Fate::Failed(PublishError::ConfirmTimeout(after)),
+                false,
+            ),
+            (
+                Alone::Lost("gone".into(), BusError::ConnectionLost),
+                Fate::Unknown("gone".into()),
+                true,
+            ),
+            (
+                Alone::NoChannel(BusError::ConnectionLost),
+                Fate::Unsent,
+                true,
+            ),
+            (Alone::NotSent, Fate::Unsent, false),
+        ];
+        for (alone, first, trouble) in unanswered {
+            let (fates, replan, troubled) = sorted(decide_alone(&shapes, 0, vec![1, 2], alone));
+            assert_eq!(
+                fates,
+                vec![(0, first), (1, Fate::Unsent), (2, Fate::Unsent)]
+            );
+            assert!(replan.is_empty());
+            assert_eq!(troubled, trouble);
+        }
+    }
+
+    #[test]
+    fn a_spent_budget_is_no_trouble_of_the_bus() {
+        let shapes = [shape("x", "a")];
+        let spent = BusError::Timeout {
+            what: BUDGET_SPENT,
+            after: Duration::ZERO,
+        };
+        let d = decide_alone(&shapes, 0, Vec::new(), Alone::NoChannel(spent));
+        assert!(d.trouble.is_none());
+    }
+
+    #[test]
+    fn a_pilot_is_judged_by_its_own_return() {
+        let message = ToPublish {
+            message: Message {
+                exchange: "x".into(),
+                routing_key: "a".into(),
+                properties: Properties {
+                    message_id: Some("m".into()),
+                    ..Properties::default()
+                },
+                body: Vec::new(),
+            },
+            alone: true,
+        };
+        let (m, invalid) = Outgoing::of(&message);
+        assert!(invalid.is_none());
+        let answer = |ack, returned: Option<&str>| Answer {
+            ack,
+            returned: returned.map(|id| (id.to_owned(), "312 NO_ROUTE".to_owned())),
+        };
+        assert_eq!(fate_alone(&m, &answer(true, None)), Fate::Confirmed);
+        assert_eq!(
+            fate_alone(&m, &answer(false, None)),
+            Fate::Failed(PublishError::Nacked)
+        );
+        assert_eq!(
+            fate_alone(&m, &answer(true, Some("m"))),
+            Fate::Failed(PublishError::Returned("312 NO_ROUTE".into()))
+        );
+        // Another message's return says nothing about this one.
+        assert_eq!(fate_alone(&m, &answer(true, Some("n"))), Fate::Confirmed);
+        // Its properties are built once, and again should it be sent again.
+        assert_eq!(
+            m.properties().message_id().as_ref().map(|s| s.as_str()),
+            Some("m")
+        );
+        assert_eq!(
+            m.properties().message_id().as_ref().map(|s| s.as_str()),
+            Some("m")
+        );
+    }
+
     #[test]
     fn expirations_as_rabbitmq_reads_them() {
         for ok in ["0", "60000", "+5", "4294967295"] {
