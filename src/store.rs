@@ -1,6 +1,6 @@
 //! Postgres: connection pool, embedded migrations, and the statements of the scan.
 //!
-//! A kind of due row lives in a [`Table`]; the writes of the firing transaction (delete,
+//! Each [`Kind`] of due row lives in a table of its own; the writes of the firing transaction (delete,
 //! charge, park, delete-if-unchanged) are the same statements for every table. Every
 //! statement names `<schema>.<table>`; the schema is a validated plain identifier (see
 //! `config`) and the table a constant, so formatting them into SQL is safe. The
@@ -750,6 +750,22 @@ pub(crate) async fn bounded<T>(
     tokio::time::timeout(limit, step)
         .await
         .unwrap_or(Err(StoreError::NoAnswer(limit)))
+}
+
+/// The value of column `name` of a due row, expected at position `index`: found there
+/// by comparing its name, which costs far less per row than sqlx's lookup by name (a
+/// hash of the name, for every column of every row); looked up by name where a
+/// statement put it elsewhere.
+fn column<'r, T>(row: &'r sqlx::postgres::PgRow, index: usize, name: &str) -> Result<T, sqlx::Error>
+where
+    T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    use sqlx::Column;
+    if row.columns().get(index).is_some_and(|c| c.name() == name) {
+        row.try_get(index)
+    } else {
+        row.try_get(name)
+    }
 }
 
 /// The statements are built from a validated identifier only (see `Sql::new`).

@@ -25,10 +25,11 @@
 //! confirm is awaited past `confirm_until`.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
 use futures_util::future::join_all;
+use futures_util::{FutureExt, StreamExt};
 use lapin::options::BasicPublishOptions;
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::ShortString;
@@ -36,7 +37,7 @@ use lapin::{BasicProperties, Channel, PublisherConfirm};
 use tokio::time::timeout_at;
 use tokio_util::sync::CancellationToken;
 
-use super::convert::{lapin_properties, short};
+use super::convert::lapin_properties;
 use super::proof::{self, Job, Refusal, Shape};
 use super::{Bus, BusError};
 use crate::wire::{Message, Properties, Value};
@@ -58,10 +59,13 @@ pub struct ToPublish {
 /// A message as lapin takes it.
 struct Outgoing<'a> {
     /// Its `message_id`: how a returned message is matched to it.
-    message_id: String,
+    message_id: &'a str,
     exchange: &'a str,
     routing_key: &'a str,
-    properties: BasicProperties,
+    /// Built once and handed to lapin by the one publish of this message (see
+    /// [`Outgoing::properties`]).
+    properties: Mutex<Option<BasicProperties>>,
+    wire: &'a Properties,
     body: &'a [u8],
     alone: bool,
 }
@@ -73,18 +77,31 @@ impl<'a> Outgoing<'a> {
         let (properties, invalid) = match refused_properties(&message.properties)
             .map_or_else(|| lapin_properties(&message.properties), Err)
         {
-            Ok(p) => (p, None),
-            Err(e) => (BasicProperties::default(), Some(e)),
+            Ok(p) => (Some(p), None),
+            Err(e) => (None, Some(e)),
         };
         let outgoing = Self {
-            message_id: message.properties.message_id.clone().unwrap_or_default(),
+            message_id: message.properties.message_id.as_deref().unwrap_or_default(),
             exchange: &message.exchange,
             routing_key: &message.routing_key,
-            properties,
+            properties: Mutex::new(properties),
+            wire: &message.properties,
             body: &message.body,
             alone: m.alone,
         };
         (outgoing, invalid)
+    }
+
+    /// Its properties for lapin, which takes them by value: built once in `of` and taken
+    /// by its publish (a message is published at most once per batch), rebuilt should it
+    /// ever be published again.
+    fn properties(&self) -> BasicProperties {
+        let taken = self
+            .properties
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        taken.unwrap_or_else(|| lapin_properties(self.wire).unwrap_or_default())
     }
 
     fn shape(&self) -> Shape<'a> {
@@ -315,8 +332,12 @@ impl Bus {
     /// Refuse what the broker would refuse by closing the channel, where size and names
     /// tell: `limit` is the broker's own size limit, once learnt.
     fn precheck(&self, m: &Outgoing<'_>, limit: Option<usize>) -> Result<(), PublishError> {
-        short(m.exchange, "exchange name")?;
-        short(m.routing_key, "routing key")?;
+        for (name, what) in [
+            (m.exchange, "exchange name"),
+            (m.routing_key, "routing key"),
+        ] {
+            crate::wire::short(name, what).map_err(|e| PublishError::Invalid(e.0))?;
+        }
         let max = self.settings.max_message_size.as_u64();
         let max = usize::try_from(max).unwrap_or(usize::MAX);
         let max = limit.map_or(max, |l| l.min(max));
@@ -339,63 +360,20 @@ impl Bus {
         rest: Vec<usize>,
         budget: &Budget,
     ) -> Decided {
-        let mut d = Decided::default();
-        let unsent = |d: &mut Decided, rest: Vec<usize>| {
-            d.fates.extend(rest.into_iter().map(|j| (j, Fate::Unsent)));
+        let mut sent = None;
+        let alone = if budget.may_send() {
+            self.publish_alone(&batch[first], budget, &mut sent).await
+        } else {
+            Alone::NotSent
         };
-        if !budget.may_send() {
-            d.fates.push((first, Fate::Unsent));
-            unsent(&mut d, rest);
-            return d;
-        }
         let m = &shapes[first];
-        match self.publish_alone(&batch[first], budget, &mut d.sent).await {
-            Alone::Delivered(fate) => {
-                self.proofs().accepted(m, Instant::now());
-                d.fates.push((first, fate));
-                d.replan = rest;
-            }
-            Alone::Refused(refusal, e) => {
-                self.proofs().refused(m, &refusal);
-                d.fates.push((first, Fate::Failed(e.clone())));
-                // The same answer for every message the refusal is about.
-                for j in rest {
-                    let o = &shapes[j];
-                    let same = match refusal {
-                        Refusal::Exchange => o.exchange == m.exchange,
-                        Refusal::RoutingKey => {
-                            o.exchange == m.exchange && o.routing_key == m.routing_key
-                        }
-                        Refusal::Size { .. } | Refusal::Message => false,
-                    };
-                    if same {
-                        d.fates.push((j, Fate::Failed(e.clone())));
-                    } else {
-                        d.replan.push(j);
-                    }
-                }
-            }
-            // The broker does not answer: try the rest in the next batch instead of
-            // holding this one up message after message.
-            Alone::TimedOut(e) => {
-                d.fates.push((first, Fate::Failed(e)));
-                unsent(&mut d, rest);
-            }
-            Alone::Lost(why, e) => {
-                d.fates.push((first, Fate::Unknown(why)));
-                unsent(&mut d, rest);
-                d.trouble = Some(e);
-            }
-            Alone::NoChannel(e) => {
-                d.fates.push((first, Fate::Unsent));
-                unsent(&mut d, rest);
-                d.trouble = Some(e).filter(|e| !e.is_budget());
-            }
-            Alone::NotSent => {
-                d.fates.push((first, Fate::Unsent));
-                unsent(&mut d, rest);
-            }
+        match &alone {
+            Alone::Delivered(_) => self.proofs().accepted(m, Instant::now()),
+            Alone::Refused(refusal, _) => self.proofs().refused(m, refusal),
+            _ => {}
         }
+        let mut d = decide_alone(shapes, first, rest, alone);
+        d.sent = sent;
         d
     }
 
@@ -426,8 +404,7 @@ impl Bus {
         match answer {
             Ok(a) => {
                 self.give_back(channel);
-                let returned = a.returned.into_iter().collect();
-                Alone::Delivered(fate_of(m, Some(a.ack), &returned))
+                Alone::Delivered(fate_alone(m, &a))
             }
             Err(Waited::TimedOut(after)) => Alone::TimedOut(PublishError::ConfirmTimeout(after)),
             Err(Waited::Closed(e)) => self.closed_under(m, &e),
@@ -478,47 +455,52 @@ impl Bus {
             }
         };
         let mut sent = Vec::with_capacity(idx.len());
-        let mut blocked = Vec::new();
+        let mut ends = Vec::new();
+        let mut blocked = false;
         for part in idx.chunks(HANDED_OVER_TOGETHER) {
             // Yields between parts: without this a batch of hundreds would hold its worker
             // thread, and with it the timers of held rows, for the whole loop.
             tokio::task::consume_budget().await;
-            if !budget.may_send() || !channel.status().connected() || !blocked.is_empty() {
-                d.fates.extend(part.iter().map(|i| (*i, Fate::Unsent)));
+            if blocked || !budget.may_send() || !channel.status().connected() {
+                ends.extend(part.iter().map(|&i| (i, End::NotSent)));
                 continue;
             }
-            // A publish hands its frames to lapin's I/O thread when first polled, and
-            // returns once that thread has taken them: awaited one by one, each message
-            // costs two thread wake-ups; awaited together, a part costs about two.
-            let handed = join_all(part.iter().map(|&i| {
-                let channel = &channel;
-                async move { (i, self.send(channel, &batch[i], budget).await) }
-            }))
-            .await;
-            for (i, result) in handed {
-                match result {
-                    Ok(confirm) => sent.push((i, confirm)),
+            for (i, handed) in part
+                .iter()
+                .zip(self.hand_over(&channel, batch, part, budget).await)
+            {
+                match handed {
+                    Ok(confirm) => sent.push((*i, confirm)),
                     // The broker stopped reading (flow control): part of it may be out.
-                    Err(Waited::TimedOut(after)) => blocked.push((i, after)),
+                    Err(Waited::TimedOut(after)) => {
+                        blocked = true;
+                        ends.push((*i, End::TimedOut(after)));
+                    }
                     // Refused locally (the channel is already closed): never left the process.
-                    Err(Waited::Closed(_)) => d.fates.push((i, Fate::Unsent)),
+                    Err(Waited::Closed(_)) => ends.push((*i, End::NotSent)),
                 }
             }
         }
         if !sent.is_empty() {
             d.sent = Some(Instant::now());
         }
-        let mut waited = join_all(
-            sent.into_iter()
-                .map(|(i, c)| async move { (i, self.await_confirm(c, budget).await) }),
-        )
-        .await;
-        waited.extend(
-            blocked
-                .into_iter()
-                .map(|(i, after)| (i, Err(Waited::TimedOut(after)))),
-        );
-        let clean = self.judge_shared(batch, shapes, waited, &mut d);
+        ends.extend(self.await_confirms(sent, budget).await);
+        let ids: Vec<&str> = ends.iter().map(|(i, _)| batch[*i].message_id).collect();
+        let closed = ends.iter().filter_map(|(i, e)| match e {
+            End::Closed(_, refusal) => Some((*i, refusal.clone())),
+            _ => None,
+        });
+        let closed: Vec<(usize, Refusal)> = closed.collect();
+        if !closed.is_empty() {
+            // Whatever the reason, prove it again before sharing a channel; and learn
+            // what the broker's answer says (a size limit, say).
+            let mut proofs = self.proofs();
+            for (i, refusal) in &closed {
+                proofs.doubt(batch[*i].exchange);
+                proofs.refused(&shapes[*i], refusal);
+            }
+        }
+        let clean = judge_shared(&ids, ends, &mut d.fates);
         if clean {
             self.give_back(channel);
         }
@@ -528,49 +510,69 @@ impl Bus {
         d
     }
 
-    /// Fates of the shared channel's messages; true when every confirm came in (the
-    /// channel can serve another batch: nothing of this one can still arrive on it).
-    fn judge_shared(
+    /// Hand one part to lapin at once, bounded together by the batch's budget: a publish
+    /// hands its frames to lapin's I/O thread when first polled and returns once that
+    /// thread has taken them; awaited one by one, each message would cost two thread
+    /// wake-ups, awaited together the part costs about two. One result per message of
+    /// `part`, in order.
+    async fn hand_over(
         &self,
+        channel: &Channel,
         batch: &[Outgoing<'_>],
-        shapes: &[Shape<'_>],
-        waited: Vec<(usize, Result<Answer, Waited>)>,
-        d: &mut Decided,
-    ) -> bool {
-        // Every return first: it may have arrived with any message's confirm.
-        let returned: HashMap<String, String> = waited
+        part: &[usize],
+        budget: &Budget,
+    ) -> Vec<Result<PublisherConfirm, Waited>> {
+        let mut handed: Vec<Option<lapin::Result<PublisherConfirm>>> =
+            part.iter().map(|_| None).collect();
+        let publishes = part
             .iter()
-            .filter_map(|(_, w)| w.as_ref().ok()?.returned.clone())
-            .collect();
-        let mut clean = true;
-        for (i, w) in waited {
-            let m = &batch[i];
-            let fate = match w {
-                Ok(a) => fate_of(m, Some(a.ack), &returned),
-                Err(Waited::TimedOut(after)) => {
-                    clean = false;
-                    match fate_of(m, None, &returned) {
-                        Fate::Unsent => Fate::Failed(PublishError::ConfirmTimeout(after)),
-                        known => known,
-                    }
-                }
-                Err(Waited::Closed(e)) => {
-                    clean = false;
-                    // Whatever the reason, prove it again before sharing a channel; and
-                    // learn what the broker's answer says (a size limit, say).
-                    let mut proofs = self.proofs();
-                    proofs.doubt(m.exchange);
-                    proofs.refused(&shapes[i], &refusal_of(&e, 0));
-                    drop(proofs);
-                    match fate_of(m, None, &returned) {
-                        Fate::Unsent => Fate::Unknown(e.to_string()),
-                        known => known,
-                    }
-                }
-            };
-            d.fates.push((i, fate));
-        }
-        clean
+            .zip(handed.iter_mut())
+            .map(|(&i, slot)| async move {
+                *slot = Some(publish(channel, &batch[i]).await);
+            });
+        // One timer for the part, not one per message.
+        let _ = timeout_at(budget.confirm_until.into(), join_all(publishes)).await;
+        let after = self.settings.confirm_timeout;
+        handed
+            .into_iter()
+            .map(|h| match h {
+                Some(Ok(confirm)) => Ok(confirm),
+                Some(Err(e)) => Err(Waited::Closed(e)),
+                None => Err(Waited::TimedOut(after)),
+            })
+            .collect()
+    }
+
+    /// Await the confirms of a shared channel, bounded together: by `amqp.confirm_timeout`
+    /// from now and by the batch's budget. Awaited in the order sent (the broker confirms
+    /// in that order), each with one wake-up; at the bound, those that came in meanwhile
+    /// are taken as they are, the rest timed out.
+    async fn await_confirms(
+        &self,
+        sent: Vec<(usize, PublisherConfirm)>,
+        budget: &Budget,
+    ) -> Vec<(usize, End)> {
+        let limit = self.settings.confirm_timeout;
+        let until = (Instant::now() + limit).min(budget.confirm_until);
+        let mut ends = Vec::with_capacity(sent.len());
+        let mut awaiting = None;
+        let mut sent = sent.into_iter();
+        let all = async {
+            for (i, confirm) in sent.by_ref() {
+                awaiting = Some(i);
+                ends.push((i, End::of(confirm.await)));
+                awaiting = None;
+            }
+        };
+        let _ = timeout_at(until.into(), all).await;
+        // The confirm awaited when time ran out went with the future.
+        ends.extend(awaiting.map(|i| (i, End::TimedOut(limit))));
+        // The rest were not awaited yet; their confirms may have come in all the same.
+        ends.extend(sent.map(|(i, confirm)| {
+            let end = confirm.now_or_never().map_or(End::TimedOut(limit), End::of);
+            (i, end)
+        }));
+        ends
     }
 
     /// A confirm channel, opened (if it must be) within the batch's budget.
@@ -595,20 +597,7 @@ impl Bus {
         m: &Outgoing<'_>,
         budget: &Budget,
     ) -> Result<PublisherConfirm, Waited> {
-        // Names were checked by `precheck`.
-        let exchange = ShortString::try_new(m.exchange).unwrap_or_default();
-        let routing_key = ShortString::try_new(m.routing_key).unwrap_or_default();
-        let publish = channel.basic_publish(
-            exchange,
-            routing_key,
-            BasicPublishOptions {
-                mandatory: true,
-                immediate: false,
-            },
-            m.body,
-            m.properties.clone(),
-        );
-        match timeout_at(budget.confirm_until.into(), publish).await {
+        match timeout_at(budget.confirm_until.into(), publish(channel, m)).await {
             Ok(Ok(confirm)) => Ok(confirm),
             Ok(Err(e)) => Err(Waited::Closed(e)),
             Err(_) => Err(Waited::TimedOut(self.settings.confirm_timeout)),
@@ -623,21 +612,43 @@ impl Bus {
         let limit = self.settings.confirm_timeout;
         let until = (Instant::now() + limit).min(budget.confirm_until);
         match timeout_at(until.into(), confirm).await {
-            Ok(Ok(c)) => Ok(Answer {
-                ack: c.is_ack(),
-                returned: c.take_message().and_then(returned_entry),
-            }),
+            Ok(Ok(c)) => Ok(Answer::of(c)),
             Ok(Err(e)) => Err(Waited::Closed(e)),
             Err(_) => Err(Waited::TimedOut(limit)),
         }
     }
 }
 
+/// Hand `m` to lapin: mandatory, in confirm mode.
+async fn publish(channel: &Channel, m: &Outgoing<'_>) -> lapin::Result<PublisherConfirm> {
+    // Names were checked by `precheck`.
+    let exchange = ShortString::try_new(m.exchange).unwrap_or_default();
+    let routing_key = ShortString::try_new(m.routing_key).unwrap_or_default();
+    let options = BasicPublishOptions {
+        mandatory: true,
+        immediate: false,
+    };
+    channel
+        .basic_publish(exchange, routing_key, options, m.body, m.properties())
+        .await
+}
+
 /// The broker's answer to one publish: ack or nack, and a returned message that came
 /// with it (not necessarily this publish's own).
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Answer {
     ack: bool,
+    /// The returned message's `message_id`, and the broker's reason.
     returned: Option<(String, String)>,
+}
+
+impl Answer {
+    fn of(c: lapin::Confirmation) -> Self {
+        Self {
+            ack: c.is_ack(),
+            returned: c.take_message().and_then(returned_entry),
+        }
+    }
 }
 
 /// How waiting for one confirm ended, when it did not end in a confirm.
@@ -646,16 +657,122 @@ enum Waited {
     Closed(lapin::Error),
 }
 
-/// The fate of a message from facts about it alone: returned (by its message_id), then
-/// the broker's ack or nack; `None` when no confirm came.
-fn fate_of(m: &Outgoing<'_>, acked: Option<bool>, returned: &HashMap<String, String>) -> Fate {
-    if let Some(why) = returned.get(&m.message_id) {
-        return Fate::Failed(PublishError::Returned(why.clone()));
+/// How one message of a shared channel ended, as far as this side can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum End {
+    Answered(Answer),
+    /// No confirm within the bound.
+    TimedOut(Duration),
+    /// Its channel closed before the confirm: why, and what the close concerns.
+    Closed(String, Refusal),
+    /// Never left the process.
+    NotSent,
+}
+
+impl End {
+    fn of(confirm: lapin::Result<lapin::Confirmation>) -> Self {
+        match confirm {
+            Ok(c) => End::Answered(Answer::of(c)),
+            Err(e) => End::Closed(e.to_string(), refusal_of(&e, 0)),
+        }
     }
-    match acked {
-        Some(true) => Fate::Confirmed,
-        Some(false) => Fate::Failed(PublishError::Nacked),
-        None => Fate::Unsent,
+}
+
+/// The fates of a shared channel's messages (`ids[k]` is the `message_id` of `ends[k]`'s
+/// message), pushed onto `fates`; true when every confirm came in (the channel can serve
+/// another batch: nothing of this one can still arrive on it).
+fn judge_shared(ids: &[&str], ends: Vec<(usize, End)>, fates: &mut Vec<(usize, Fate)>) -> bool {
+    // Every return first: it may have arrived with any message's confirm.
+    let returned: HashMap<&str, &str> = ends
+        .iter()
+        .filter_map(|(_, e)| match e {
+            End::Answered(a) => a.returned.as_ref(),
+            _ => None,
+        })
+        .map(|(id, why)| (id.as_str(), why.as_str()))
+        .collect();
+    let returned = |k: usize| returned.get(ids[k]).map(|why| (*why).to_owned());
+    let mut clean = true;
+    let mut judged = Vec::with_capacity(ends.len());
+    for (k, (i, end)) in ends.iter().enumerate() {
+        let fate = match (end, returned(k)) {
+            (End::NotSent, _) => Fate::Unsent,
+            (_, Some(why)) => Fate::Failed(PublishError::Returned(why)),
+            (End::Answered(a), None) if a.ack => Fate::Confirmed,
+            (End::Answered(_), None) => Fate::Failed(PublishError::Nacked),
+            (End::TimedOut(after), None) => Fate::Failed(PublishError::ConfirmTimeout(*after)),
+            (End::Closed(why, _), None) => Fate::Unknown(why.clone()),
+        };
+        clean &= matches!(end, End::Answered(_) | End::NotSent);
+        judged.push((*i, fate));
+    }
+    fates.extend(judged);
+    clean
+}
+
+/// What becomes of a pilot (`first`) and the messages waiting for it (`rest`), from the
+/// pilot's outcome.
+fn decide_alone(shapes: &[Shape<'_>], first: usize, rest: Vec<usize>, alone: Alone) -> Decided {
+    let mut d = Decided::default();
+    let unsent = |d: &mut Decided, rest: Vec<usize>| {
+        d.fates.extend(rest.into_iter().map(|j| (j, Fate::Unsent)));
+    };
+    let m = &shapes[first];
+    match alone {
+        Alone::Delivered(fate) => {
+            d.fates.push((first, fate));
+            d.replan = rest;
+        }
+        Alone::Refused(refusal, e) => {
+            // The same answer for every message the refusal is about.
+            for j in rest {
+                let o = &shapes[j];
+                let same = match refusal {
+                    Refusal::Exchange => o.exchange == m.exchange,
+                    Refusal::RoutingKey => {
+                        o.exchange == m.exchange && o.routing_key == m.routing_key
+                    }
+                    Refusal::Size { .. } | Refusal::Message => false,
+                };
+                if same {
+                    d.fates.push((j, Fate::Failed(e.clone())));
+                } else {
+                    d.replan.push(j);
+                }
+            }
+            d.fates.push((first, Fate::Failed(e)));
+        }
+        // The broker does not answer: try the rest in the next batch instead of holding
+        // this one up message after message.
+        Alone::TimedOut(e) => {
+            d.fates.push((first, Fate::Failed(e)));
+            unsent(&mut d, rest);
+        }
+        Alone::Lost(why, e) => {
+            d.fates.push((first, Fate::Unknown(why)));
+            unsent(&mut d, rest);
+            d.trouble = Some(e);
+        }
+        Alone::NoChannel(e) => {
+            d.fates.push((first, Fate::Unsent));
+            unsent(&mut d, rest);
+            d.trouble = Some(e).filter(|e| !e.is_budget());
+        }
+        Alone::NotSent => {
+            d.fates.push((first, Fate::Unsent));
+            unsent(&mut d, rest);
+        }
+    }
+    d
+}
+
+/// The fate of a pilot from its own confirm: returned (by its message_id), acked or
+/// nacked.
+fn fate_alone(m: &Outgoing<'_>, a: &Answer) -> Fate {
+    match &a.returned {
+        Some((id, why)) if id == m.message_id => Fate::Failed(PublishError::Returned(why.clone())),
+        _ if a.ack => Fate::Confirmed,
+        _ => Fate::Failed(PublishError::Nacked),
     }
 }
 
@@ -689,6 +806,234 @@ fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn acked(returned: Option<(&str, &str)>) -> End {
+        End::Answered(Answer {
+            ack: true,
+            returned: returned.map(|(id, why)| (id.to_owned(), why.to_owned())),
+        })
+    }
+
+    fn judged(ids: &[&str], ends: Vec<(usize, End)>) -> (Vec<(usize, Fate)>, bool) {
+        let mut fates = Vec::new();
+        let clean = judge_shared(ids, ends, &mut fates);
+        (fates, clean)
+    }
+
+    #[test]
+    fn a_shared_channel_judges_each_message_by_its_own_confirm() {
+        let nacked = End::Answered(Answer {
+            ack: false,
+            returned: None,
+        });
+        let (fates, clean) = judged(&["a", "b"], vec![(4, acked(None)), (7, nacked)]);
+        assert_eq!(
+            fates,
+            vec![
+                (4, Fate::Confirmed),
+                (7, Fate::Failed(PublishError::Nacked))
+            ]
+        );
+        assert!(clean, "every confirm came in: the channel may serve again");
+    }
+
+    #[test]
+    fn a_return_is_matched_by_message_id_whichever_confirm_brought_it() {
+        // lapin hands "b"'s return to the confirm of "a".
+        let ends = vec![(0, acked(Some(("b", "312 NO_ROUTE")))), (1, acked(None))];
+        let (fates, clean) = judged(&["a", "b"], ends);
+        assert_eq!(
+            fates,
+            vec![
+                (0, Fate::Confirmed),
+                (
+                    1,
+                    Fate::Failed(PublishError::Returned("312 NO_ROUTE".into()))
+                )
+            ]
+        );
+        assert!(clean);
+    }
+
+    #[test]
+    fn no_confirm_times_out_and_a_closed_channel_leaves_the_fate_unknown() {
+        let after = Duration::from_secs(5);
+        let ends = vec![
+            (0, End::TimedOut(after)),
+            (1, End::Closed("channel closed".into(), Refusal::Message)),
+            (2, End::NotSent),
+            // A return that came in before its channel closed still says what happened.
+            (3, End::Closed("channel closed".into(), Refusal::Message)),
+            (4, acked(Some(("d", "312 NO_ROUTE")))),
+        ];
+        let (fates, clean) = judged(&["a", "b", "c", "d", "e"], ends);
+        assert_eq!(
+            fates,
+            vec![
+                (0, Fate::Failed(PublishError::ConfirmTimeout(after))),
+                (1, Fate::Unknown("channel closed".into())),
+                (2, Fate::Unsent),
+                (
+                    3,
+                    Fate::Failed(PublishError::Returned("312 NO_ROUTE".into()))
+                ),
+                (4, Fate::Confirmed),
+            ]
+        );
+        assert!(!clean, "confirms may still arrive on that channel");
+    }
+
+    #[test]
+    fn unsent_messages_leave_the_channel_clean() {
+        let (fates, clean) = judged(&["a"], vec![(0, End::NotSent)]);
+        assert_eq!(fates, vec![(0, Fate::Unsent)]);
+        assert!(clean);
+    }
+
+    fn shape(exchange: &'static str, routing_key: &'static str) -> Shape<'static> {
+        Shape {
+            exchange,
+            routing_key,
+            size: 1,
+            alone: false,
+        }
+    }
+
+    fn sorted(mut d: Decided) -> (Vec<(usize, Fate)>, Vec<usize>, bool) {
+        d.fates.sort_by_key(|(i, _)| *i);
+        (d.fates, d.replan, d.trouble.is_some())
+    }
+
+    #[test]
+    fn a_pilot_refused_for_its_exchange_fails_that_exchange_alone() {
+        let shapes = [shape("x", "a"), shape("x", "b"), shape("y", "a")];
+        let e = PublishError::NoExchange("x".into());
+        let alone = Alone::Refused(Refusal::Exchange, e.clone());
+        let (fates, replan, trouble) = sorted(decide_alone(&shapes, 0, vec![1, 2], alone));
+        assert_eq!(
+            fates,
+            vec![(0, Fate::Failed(e.clone())), (1, Fate::Failed(e))]
+        );
+        assert_eq!((replan, trouble), (vec![2], false));
+    }
+
+    #[test]
+    fn a_topic_refusal_fails_that_routing_key_alone() {
+        let shapes = [shape("x", "a"), shape("x", "b"), shape("x", "a")];
+        let e = PublishError::Refused("ACCESS_REFUSED".into());
+        let alone = Alone::Refused(Refusal::RoutingKey, e.clone());
+        let (fates, replan, _) = sorted(decide_alone(&shapes, 0, vec![1, 2], alone));
+        assert_eq!(
+            fates,
+            vec![(0, Fate::Failed(e.clone())), (2, Fate::Failed(e))]
+        );
+        assert_eq!(replan, vec![1]);
+    }
+
+    #[test]
+    fn a_refusal_of_the_message_itself_fails_it_alone() {
+        let shapes = [shape("x", "a"), shape("x", "a")];
+        for refusal in [Refusal::Message, Refusal::Size { limit: Some(1) }] {
+            let e = PublishError::Channel("PRECONDITION_FAILED".into());
+            let alone = Alone::Refused(refusal, e.clone());
+            let (fates, replan, _) = sorted(decide_alone(&shapes, 0, vec![1], alone));
+            assert_eq!(fates, vec![(0, Fate::Failed(e))]);
+            assert_eq!(replan, vec![1]);
+        }
+    }
+
+    #[test]
+    fn what_waits_for_a_pilot_goes_on_only_once_it_was_delivered() {
+        let shapes = [shape("x", "a"), shape("x", "a"), shape("x", "a")];
+        let (fates, replan, _) = sorted(decide_alone(
+            &shapes,
+            0,
+            vec![1, 2],
+            Alone::Delivered(Fate::Confirmed),
+        ));
+        assert_eq!((fates, replan), (vec![(0, Fate::Confirmed)], vec![1, 2]));
+        let after = Duration::from_secs(5);
+        let unanswered = [
+            (
+                Alone::TimedOut(PublishError::ConfirmTimeout(after)),
+                Fate::Failed(PublishError::ConfirmTimeout(after)),
+                false,
+            ),
+            (
+                Alone::Lost("gone".into(), BusError::ConnectionLost),
+                Fate::Unknown("gone".into()),
+                true,
+            ),
+            (
+                Alone::NoChannel(BusError::ConnectionLost),
+                Fate::Unsent,
+                true,
+            ),
+            (Alone::NotSent, Fate::Unsent, false),
+        ];
+        for (alone, first, trouble) in unanswered {
+            let (fates, replan, troubled) = sorted(decide_alone(&shapes, 0, vec![1, 2], alone));
+            assert_eq!(
+                fates,
+                vec![(0, first), (1, Fate::Unsent), (2, Fate::Unsent)]
+            );
+            assert!(replan.is_empty());
+            assert_eq!(troubled, trouble);
+        }
+    }
+
+    #[test]
+    fn a_spent_budget_is_no_trouble_of_the_bus() {
+        let shapes = [shape("x", "a")];
+        let spent = BusError::Timeout {
+            what: BUDGET_SPENT,
+            after: Duration::ZERO,
+        };
+        let d = decide_alone(&shapes, 0, Vec::new(), Alone::NoChannel(spent));
+        assert!(d.trouble.is_none());
+    }
+
+    #[test]
+    fn a_pilot_is_judged_by_its_own_return() {
+        let message = ToPublish {
+            message: Message {
+                exchange: "x".into(),
+                routing_key: "a".into(),
+                properties: Properties {
+                    message_id: Some("m".into()),
+                    ..Properties::default()
+                },
+                body: Vec::new(),
+            },
+            alone: true,
+        };
+        let (m, invalid) = Outgoing::of(&message);
+        assert!(invalid.is_none());
+        let answer = |ack, returned: Option<&str>| Answer {
+            ack,
+            returned: returned.map(|id| (id.to_owned(), "312 NO_ROUTE".to_owned())),
+        };
+        assert_eq!(fate_alone(&m, &answer(true, None)), Fate::Confirmed);
+        assert_eq!(
+            fate_alone(&m, &answer(false, None)),
+            Fate::Failed(PublishError::Nacked)
+        );
+        assert_eq!(
+            fate_alone(&m, &answer(true, Some("m"))),
+            Fate::Failed(PublishError::Returned("312 NO_ROUTE".into()))
+        );
+        // Another message's return says nothing about this one.
+        assert_eq!(fate_alone(&m, &answer(true, Some("n"))), Fate::Confirmed);
+        // Its properties are built once, and again should it be sent again.
+        assert_eq!(
+            m.properties().message_id().as_ref().map(|s| s.as_str()),
+            Some("m")
+        );
+        assert_eq!(
+            m.properties().message_id().as_ref().map(|s| s.as_str()),
+            Some("m")
+        );
+    }
 
     #[test]
     fn expirations_as_rabbitmq_reads_them() {

@@ -12,10 +12,10 @@ use uuid::Uuid;
 
 use serde::Serialize;
 
-use super::{Kind, PendingFilter, Store, StoreError, safe};
+use super::{Kind, PendingFilter, Store, StoreError, column, safe};
 
 /// One due delayed message, locked by the scan's transaction.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DelayedRow {
     pub id: Uuid,
     /// Who published it (AMQP `user_id`), `""` for anonymous.
@@ -40,6 +40,29 @@ pub struct DelayedRow {
     pub fired_at: DateTime<Utc>,
     /// The end of the window of due times its batch locked.
     pub window_end: DateTime<Utc>,
+}
+
+/// Read by position, in the order of [`lock_delayed_sql`]'s columns (see `store::column`).
+impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for DelayedRow {
+    fn from_row(row: &'r sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            id: column(row, 0, "id")?,
+            owner: column(row, 1, "owner")?,
+            message_id: column(row, 2, "message_id")?,
+            deliver_at: column(row, 3, "deliver_at")?,
+            exchange: column(row, 4, "exchange")?,
+            routing_key: column(row, 5, "routing_key")?,
+            properties: column(row, 6, "properties")?,
+            body: column(row, 7, "body")?,
+            body_bytes: column(row, 8, "body_bytes")?,
+            body_dropped: column(row, 9, "body_dropped")?,
+            attempts: column(row, 10, "attempts")?,
+            created_at: column(row, 11, "created_at")?,
+            due_at: column(row, 12, "due_at")?,
+            fired_at: column(row, 13, "fired_at")?,
+            window_end: column(row, 14, "window_end")?,
+        })
+    }
 }
 
 impl DelayedRow {

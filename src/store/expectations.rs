@@ -9,10 +9,12 @@ use serde::Serialize;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{Kind, PendingCounts, Store, StoreError, safe};
+use sqlx::postgres::PgRow;
+
+use super::{Kind, PendingCounts, Store, StoreError, column, safe};
 
 /// One due row, locked by the scan's transaction.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DueRow {
     pub id: Uuid,
     pub process_id: String,
@@ -36,6 +38,27 @@ pub struct DueRow {
     pub fired_at: DateTime<Utc>,
     /// The end of the window of due times its batch locked.
     pub window_end: DateTime<Utc>,
+}
+
+/// Read by position, in the order of [`lock_due_sql`]'s columns (see [`column`]).
+impl<'r> sqlx::FromRow<'r, PgRow> for DueRow {
+    fn from_row(row: &'r PgRow) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            id: column(row, 0, "id")?,
+            process_id: column(row, 1, "process_id")?,
+            message_type: column(row, 2, "message_type")?,
+            timeout_at: column(row, 3, "timeout_at")?,
+            exchange: column(row, 4, "exchange")?,
+            routing_key: column(row, 5, "routing_key")?,
+            payload: column(row, 6, "payload")?,
+            payload_bytes: column(row, 7, "payload_bytes")?,
+            traceparent: column(row, 8, "traceparent")?,
+            attempts: column(row, 9, "attempts")?,
+            due_at: column(row, 10, "due_at")?,
+            fired_at: column(row, 11, "fired_at")?,
+            window_end: column(row, 12, "window_end")?,
+        })
+    }
 }
 
 impl DueRow {

@@ -1,5 +1,5 @@
 //! Writing the fate of a fired batch: delete the confirmed rows, charge the failed ones,
-//! park what cannot be deleted. The same statements for every [`Table`]; one row the
+//! park what cannot be deleted. The same statements for every [`Kind`]; one row the
 //! database refuses never fails the others (savepoints, halving).
 
 use std::sync::Arc;

@@ -59,8 +59,10 @@ pub(crate) async fn burst(
     }
     // Metered from T0: before it, nothing but the daemon's look ahead runs.
     tokio::time::sleep((t0 - Utc::now()).to_std().unwrap_or_default()).await;
+    env.burst_hook("start", daemon.pid);
     let meter = CpuMeter::start();
     let complete = env.inbox.wait_for(n, lead + receive_limit(n)).await;
+    env.burst_hook("stop", daemon.pid);
     daemon.check_alive()?;
     let got = env.inbox.take();
     let expected: HashSet<Uuid> = ids.into_iter().collect();

@@ -381,7 +381,9 @@ async fn delayed_burst(
     if start > t0 {
         eprintln!("   delayed burst: not all stored before T0; the clock starts when they were");
     }
+    env.burst_hook("start", daemon.pid);
     let complete = inbox.wait_for(n, limit).await;
+    env.burst_hook("stop", daemon.pid);
     daemon.check_alive()?;
     let got = inbox.take();
     let expected: HashSet<Uuid> = messages.iter().map(|m| m.id).collect();

@@ -17,6 +17,8 @@ pub(crate) struct Env {
     /// `--daemon-log`: where daemon logs are written, if anywhere.
     pub(crate) daemon_log: Option<PathBuf>,
     pub(crate) daemon_rust_log: String,
+    /// `--burst-hook`.
+    pub(crate) burst_hook: Option<PathBuf>,
     pub(crate) amqp_url: String,
     pub(crate) pg_url: String,
 }
@@ -55,6 +57,7 @@ impl Env {
             daemon_bin,
             daemon_log: args.daemon_log.clone(),
             daemon_rust_log: args.daemon_rust_log.clone(),
+            burst_hook: args.burst_hook.clone(),
             amqp_url: args.amqp_url.clone(),
             pg_url: args.pg_url.clone(),
         };
@@ -80,6 +83,22 @@ impl Env {
         let mut env = overrides(&self.amqp_url, &self.pg_url, schema, group);
         env.push(("TIMEOUTD__HTTP__LISTEN".to_owned(), http.to_string()));
         env
+    }
+
+    /// Run `--burst-hook` with `what` (start, stop) and the daemon's pid; a failure is
+    /// printed, not returned.
+    pub(crate) fn burst_hook(&self, what: &str, pid: u32) {
+        let Some(hook) = &self.burst_hook else {
+            return;
+        };
+        match std::process::Command::new(hook)
+            .args([what, &pid.to_string()])
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            Ok(s) => eprintln!("warning: {} {what} {pid}: {s}", hook.display()),
+            Err(e) => eprintln!("warning: {} {what} {pid}: {e}", hook.display()),
+        }
     }
 
     pub(crate) fn table(&self) -> String {

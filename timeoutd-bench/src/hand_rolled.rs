@@ -98,7 +98,7 @@ async fn fire_loop(
     let due = DUE;
     let lock = format!(
         "SELECT id, process_id, message_type, timeout_at, exchange, routing_key, \
-         payload::text AS payload, NULL::int4 AS payload_bytes, attempts, {due} AS due_at, \
+         payload::text AS payload, NULL::int4 AS payload_bytes, traceparent, attempts, {due} AS due_at, \
          now() AS fired_at, now() AS window_end \
          FROM {table} WHERE {due} <= now() ORDER BY {due} LIMIT {batch} \
          FOR UPDATE SKIP LOCKED"

@@ -252,6 +252,12 @@ pub(crate) struct Args {
     /// `RUST_LOG` of the daemons.
     #[arg(long, default_value = "info")]
     pub(crate) daemon_rust_log: String,
+    /// A program run as `PROGRAM start <pid>` when a burst (and the delayed burst) begins
+    /// firing and `PROGRAM stop <pid>` once its last message is received, with the firing
+    /// daemon's pid: to profile just that (e.g. `perf record -p`, `callgrind_control -i`).
+    /// The bench waits for each call to return.
+    #[arg(long)]
+    pub(crate) burst_hook: Option<PathBuf>,
     /// The timeoutd binary. Default: `timeoutd` next to this program.
     #[arg(long)]
     pub(crate) daemon: Option<PathBuf>,
