@@ -192,15 +192,26 @@ pub(super) fn plan(shapes: &[Shape<'_>], pending: &[usize], view: &View) -> Vec<
     let mut unproven: HashMap<Key, Vec<usize>> = HashMap::new();
     let mut oversize = Vec::new();
     let mut shared: HashMap<&str, Vec<usize>> = HashMap::new();
+    // A batch's messages mostly share one destination: whether it is proven is looked
+    // up once for a run of them, not once per message.
+    let mut last: Option<(&str, &str, bool)> = None;
     for &i in pending {
         let m = &shapes[i];
-        let key = view.key(m.exchange, m.routing_key);
+        let proven = match last {
+            Some((e, r, proven)) if e == m.exchange && r == m.routing_key => proven,
+            _ => {
+                let proven = view.keys.contains(&view.key(m.exchange, m.routing_key));
+                last = Some((m.exchange, m.routing_key, proven));
+                proven
+            }
+        };
         if m.alone {
             jobs.push(Job::Alone {
                 first: i,
                 rest: Vec::new(),
             });
-        } else if !view.keys.contains(&key) {
+        } else if !proven {
+            let key = view.key(m.exchange, m.routing_key);
             unproven.entry(key).or_default().push(i);
         } else if m.size > view.proven_size {
             oversize.push(i);
