@@ -371,7 +371,7 @@ impl<'a, R: Row> Batch<'a, R> {
     /// database (no larger than `limit`, as far as is known: a larger one fails as too
     /// large without being read).
     fn messages(&mut self, slot: Range<usize>) -> (Sending, Vec<usize>) {
-        let mut sending = Sending::new(Instant::now());
+        let mut sending = Sending::new(Instant::now(), slot.len());
         let mut withheld = Vec::new();
         for i in slot {
             match self.rows[i].withheld() {
@@ -390,7 +390,7 @@ impl<'a, R: Row> Batch<'a, R> {
             tracing::warn!(error = %crate::telemetry::Chain(e), kind = R::KIND.name(),
                 "cannot read large contents: those rows are left for the next batch");
         }
-        let mut sending = Sending::new(done.started);
+        let mut sending = Sending::new(done.started, done.read.len());
         for row in done.read {
             let id = row.common().id;
             let Some(&i) = done
@@ -488,11 +488,12 @@ struct Sending {
 }
 
 impl Sending {
-    fn new(started: Instant) -> Self {
+    /// Room for `rows` messages: a message is large to move again while a vector grows.
+    fn new(started: Instant, rows: usize) -> Self {
         Self {
             started,
-            positions: Vec::new(),
-            messages: Vec::new(),
+            positions: Vec::with_capacity(rows),
+            messages: Vec::with_capacity(rows),
         }
     }
 
