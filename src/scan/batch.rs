@@ -58,8 +58,10 @@ pub enum BatchError {
 /// What one batch did.
 #[derive(Debug, Default)]
 pub(crate) struct BatchOutcome {
-    /// Rows locked (a full batch means: scan again at once).
+    /// Rows locked.
     pub(crate) locked: usize,
+    /// The batch locked as many rows as it may: more may be due, scan again at once.
+    pub(crate) full: bool,
     /// TimeOuts confirmed and their rows deleted.
     pub(crate) fired: usize,
     /// Rows kept with attempts + 1 (unroutable, nacked, unconfirmed, invalid, too large).
@@ -144,11 +146,13 @@ pub(super) async fn run<R: Row>(
     });
     let (mut tx, deletes, rows, read_at) = lock.await?;
     let full = rows.len() >= limits.batch_size as usize;
-    locked(full, rows.last().map(|r| r.common().due_at));
+    let last_due = rows.last().map(|r| r.common().due_at);
+    locked(full, last_due);
     let mut outcome = BatchOutcome {
         locked: rows.len(),
+        full,
         clock: clock::read_clock(&rows, read_at),
-        last_due: rows.last().map(|r| r.common().due_at),
+        last_due,
         window_end: rows.first().map(|r| r.common().window_end),
         steps: vec![(Step::Lock, started.elapsed())],
         ..BatchOutcome::default()

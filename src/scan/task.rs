@@ -440,14 +440,13 @@ fn finished(
         Ok(outcome) => {
             backoff.reset();
             record(scan, kind, &outcome, summary);
-            let full = outcome.locked >= scan.settings.scan.batch_size as usize;
             pacer.finished(
                 kind,
                 lane,
                 now,
                 Finished {
                     locked: outcome.locked,
-                    full,
+                    full: outcome.full,
                     untouched: outcome.untouched,
                     clock: outcome.clock,
                     last_due: outcome.last_due,
