@@ -12,6 +12,7 @@ const OUTAGE_SECS: f64 = 3600.0;
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct CatchUp {
     pub(crate) rows: usize,
+    pub(crate) layout: Layout,
     /// Inserting the backlog (one transaction).
     pub(crate) insert_secs: f64,
     /// Commit of the backlog → the last of it received.
@@ -40,6 +41,7 @@ pub(crate) async fn catch_up(
     env: &Env,
     daemon: &mut Daemon,
     n: usize,
+    layout: Layout,
     pace: f64,
 ) -> Result<CatchUp> {
     let backlog = fresh_ids(n);
@@ -52,7 +54,7 @@ pub(crate) async fn catch_up(
         &env.table(),
         &env.queue,
         &backlog,
-        Deadline::OverdueUpTo(OUTAGE_SECS),
+        layout.overdue_up_to(OUTAGE_SECS),
     )
     .await?;
     tx.commit().await?;
@@ -89,6 +91,7 @@ pub(crate) async fn catch_up(
     let lateness = lateness_ms(&got, &fresh);
     Ok(CatchUp {
         rows: n,
+        layout,
         insert_secs,
         drain_secs,
         rows_per_sec: delivery.distinct as f64 / drain_secs,

@@ -115,7 +115,12 @@ impl CpuSpent {
     }
 
     pub(crate) fn per_message_us(&self, messages: usize) -> f64 {
-        self.total_ms() * 1e3 / messages.max(1) as f64
+        self.per(self.total_ms(), messages)
+    }
+
+    /// Microseconds per message of `role_ms` (one role's share) over `messages`.
+    pub(crate) fn per(&self, role_ms: f64, messages: usize) -> f64 {
+        role_ms * 1e3 / messages.max(1) as f64
     }
 }
 

@@ -11,6 +11,29 @@ pub(crate) enum Deadline {
     /// Each overdue by up to this many seconds, uniformly at random: as if the database
     /// had been away that long.
     OverdueUpTo(f64),
+    /// Overdue by up to this many seconds, evenly spread in the order of insertion (the
+    /// first inserted the most overdue): on disk in due order, as rows written one by one
+    /// with the same timeout lie.
+    OverdueInOrder(f64),
+}
+
+/// How the catch-up's backlog lies on disk (`--catch-up-layout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum Layout {
+    /// Due at random instants: the rows of one batch lie on as many heap pages.
+    Random,
+    /// Inserted in due order: the rows of one batch lie side by side, as the burst's do.
+    DueOrder,
+}
+
+impl Layout {
+    pub(crate) fn overdue_up_to(self, secs: f64) -> Deadline {
+        match self {
+            Layout::Random => Deadline::OverdueUpTo(secs),
+            Layout::DueOrder => Deadline::OverdueInOrder(secs),
+        }
+    }
 }
 
 /// Insert `ids` (in chunks of one statement each, on `conn`: one transaction when the
@@ -25,6 +48,9 @@ pub(crate) async fn insert_due(
     let due = match deadline {
         Deadline::At(_) => "coalesce($2::timestamptz, now() - interval '1 second')",
         Deadline::OverdueUpTo(_) => "now() - make_interval(secs => $2::float8 * random())",
+        Deadline::OverdueInOrder(_) => {
+            "now() - make_interval(secs => $2::float8 * (1 - ($4 + u.ord)::float8 / $5))"
+        }
     };
     let sql = format!(
         "INSERT INTO {table} (id, process_id, message_type, timeout_at, exchange, \
@@ -38,9 +64,14 @@ pub(crate) async fn insert_due(
         let query = sqlx::query(AssertSqlSafe(sql.clone())).bind(chunk);
         let query = match deadline {
             Deadline::At(at) => query.bind(at),
-            Deadline::OverdueUpTo(secs) => query.bind(secs),
+            Deadline::OverdueUpTo(secs) | Deadline::OverdueInOrder(secs) => query.bind(secs),
         };
-        query.bind(queue).bind(offset).execute(&mut *conn).await?;
+        let query = query.bind(queue).bind(offset);
+        let query = match deadline {
+            Deadline::OverdueInOrder(_) => query.bind(i64::try_from(ids.len())?),
+            _ => query,
+        };
+        query.execute(&mut *conn).await?;
     }
     Ok(())
 }

@@ -142,6 +142,11 @@ pub(crate) struct Args {
     /// it). Default 1000000 (20000 with --quick).
     #[arg(long)]
     pub(crate) catch_up: Option<usize>,
+    /// How the catch-up's backlog lies on disk: due at random instants (the rows of one
+    /// batch on as many heap pages), or inserted in due order (side by side, as the
+    /// burst's rows).
+    #[arg(long, value_enum, default_value_t = Layout::Random)]
+    pub(crate) catch_up_layout: Layout,
     /// Seconds three idle daemons are watched in the idle-cost phase (0 skips it).
     /// Default 60 (10 with --quick).
     #[arg(long)]
@@ -276,6 +281,7 @@ pub(crate) struct Plan {
     pub(crate) rates: Vec<u32>,
     /// 0: no catch-up phase.
     pub(crate) catch_up: usize,
+    pub(crate) catch_up_layout: Layout,
     /// 0: no idle-cost phase.
     pub(crate) idle_secs: u64,
     pub(crate) idle_rows: Vec<u64>,
@@ -381,6 +387,7 @@ impl Plan {
             catch_up: args
                 .catch_up
                 .unwrap_or(if args.quick { 20_000 } else { 1_000_000 }),
+            catch_up_layout: args.catch_up_layout,
             idle_rows,
             scan_runs: args.scan_runs,
             delayed,
@@ -605,8 +612,8 @@ pub(crate) async fn run(env: &Env, plan: &Plan) -> Result<Report> {
     let catch_up = match plan.catch_up {
         0 => None,
         n => {
-            let pace = publish.rows_per_sec;
-            Some(phase("catch-up", catch_up(env, &mut daemon, n, pace)).await?)
+            let (layout, pace) = (plan.catch_up_layout, publish.rows_per_sec);
+            Some(phase("catch-up", catch_up(env, &mut daemon, n, layout, pace)).await?)
         }
     };
     let daemon_warnings = daemon.log.warnings.load(Ordering::Relaxed);

@@ -114,6 +114,36 @@ fn measurements(r: &Report) -> Vec<Measurement> {
             None,
         ),
         (
+            "hand-rolled firing: CPU per TimeOut, its process and consumer".into(),
+            "µs",
+            r.hand.cpu.per(r.hand.cpu.bench_ms, r.hand.rows),
+            None,
+        ),
+        (
+            "burst: CPU per TimeOut, daemon".into(),
+            "µs",
+            r.burst.cpu.per(r.burst.cpu.daemon_ms, r.burst.rows),
+            None,
+        ),
+        (
+            "burst: CPU per TimeOut, Postgres".into(),
+            "µs",
+            r.burst.cpu.per(r.burst.cpu.postgres_ms, r.burst.rows),
+            None,
+        ),
+        (
+            "burst: CPU per TimeOut, the bench's consumer".into(),
+            "µs",
+            r.burst.cpu.per(r.burst.cpu.bench_ms, r.burst.rows),
+            None,
+        ),
+        (
+            "hand-rolled firing / baseline publish".into(),
+            "%",
+            100.0 * r.hand.rows_per_sec / publish,
+            None,
+        ),
+        (
             "burst: busy".into(),
             "cores",
             r.burst.cpu.busy_cores(),
@@ -152,7 +182,11 @@ fn measurements(r: &Report) -> Vec<Measurement> {
         }
     }
     if let Some(c) = &r.catch_up {
-        let name = |what: &str| format!("catch-up {}: {what}", human(c.rows as u64));
+        let layout = match c.layout {
+            Layout::Random => "",
+            Layout::DueOrder => " in due order",
+        };
+        let name = |what: &str| format!("catch-up {}{layout}: {what}", human(c.rows as u64));
         m.push((name("drain"), "rows/s", c.rows_per_sec, None));
         m.push((
             name("drain / best publish limit"),
@@ -161,9 +195,27 @@ fn measurements(r: &Report) -> Vec<Measurement> {
             Some(Want::AtLeast(90.0)),
         ));
         m.push((
+            name("drain / burst"),
+            "%",
+            100.0 * c.rows_per_sec / r.burst.rows_per_sec,
+            None,
+        ));
+        m.push((
             name("CPU per TimeOut, every process"),
             "µs",
             c.cpu.per_message_us(c.rows + c.fresh_rows),
+            None,
+        ));
+        m.push((
+            name("CPU per TimeOut, daemon"),
+            "µs",
+            c.cpu.per(c.cpu.daemon_ms, c.rows + c.fresh_rows),
+            None,
+        ));
+        m.push((
+            name("CPU per TimeOut, Postgres"),
+            "µs",
+            c.cpu.per(c.cpu.postgres_ms, c.rows + c.fresh_rows),
             None,
         ));
         m.push((name("fresh rows' lateness p50"), "ms", c.fresh_p50_ms, None));
