@@ -95,7 +95,7 @@ impl CpuSpent {
 
     /// CPU microseconds per message, by role: "broker 31 µs, Postgres 16 µs, …".
     pub(crate) fn per_message_text(&self, messages: usize, bench: &str) -> String {
-        let per = |ms: f64| ms * 1e3 / messages.max(1) as f64;
+        let per = |ms: f64| self.per(ms, messages);
         let mut parts = vec![format!("broker {:.0}", per(self.broker_ms))];
         if self.postgres_ms > 0.0 {
             parts.push(format!("Postgres {:.0}", per(self.postgres_ms)));

@@ -98,7 +98,10 @@ fn measurements(r: &Report) -> Vec<Measurement> {
         (
             "burst: CPU per TimeOut, daemon + Postgres".into(),
             "µs",
-            (r.burst.cpu.daemon_ms + r.burst.cpu.postgres_ms) * 1e3 / r.burst.rows.max(1) as f64,
+            r.burst.cpu.per(
+                r.burst.cpu.daemon_ms + r.burst.cpu.postgres_ms,
+                r.burst.rows,
+            ),
             None,
         ),
         (
@@ -110,7 +113,7 @@ fn measurements(r: &Report) -> Vec<Measurement> {
         (
             "hand-rolled firing: CPU per TimeOut, Postgres".into(),
             "µs",
-            r.hand.cpu.postgres_ms * 1e3 / r.hand.rows.max(1) as f64,
+            r.hand.cpu.per(r.hand.cpu.postgres_ms, r.hand.rows),
             None,
         ),
         (
