@@ -473,10 +473,11 @@ impl Store {
             .begin_with(SCAN_BEGIN)
             .await
             .map_err(|e| self.seen(e))?;
-        let refusable: bool = sqlx::raw_sql(safe(&w.guard))
+        sqlx::raw_sql(safe(&w.lock)).execute(&mut *tx).await?;
+        let refusable: bool = sqlx::query_scalar(safe(&w.guard))
+            .bind(&w.table)
             .fetch_one(&mut *tx)
-            .await?
-            .try_get(0)?;
+            .await?;
         let deletes = if refusable {
             Deletes::Guarded
         } else {

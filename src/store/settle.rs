@@ -78,15 +78,24 @@ pub enum Deletes {
 /// The writes of the firing transaction on one table, and its next-deadline probe.
 #[derive(Debug, Clone)]
 pub(super) struct Writes {
-    /// Run first in the firing transaction: takes the lock a delete takes, then asks the
-    /// catalog whether anything may refuse a delete ([`Deletes`]). Why a savepoint is
-    /// not simply always used: rows locked by the transaction and deleted in a
-    /// subtransaction carry a MultiXact as their deleter, and Postgres never marks the
-    /// index entry of such a row dead; every later scan of the due index walks every
+    /// The table, schema-qualified.
+    pub(super) table: Arc<str>,
+    /// Run first in the firing transaction: takes the lock a delete takes, before
+    /// [`Writes::guard`] looks. A statement of its own: one that fails (lock_timeout)
+    /// fails inside the transaction, which is then rolled back.
+    pub(super) lock: Arc<str>,
+    /// Run in the firing transaction once its lock is taken: asks the catalog whether
+    /// anything may refuse a delete ([`Deletes`]); `$1` the table's name. Why a
+    /// savepoint is not simply always used: rows locked by the transaction and deleted
+    /// in a subtransaction carry a MultiXact as their deleter, and Postgres never marks
+    /// the index entry of such a row dead; every later scan of the due index walks every
     /// such row again until vacuum (measured: a scan over 75,000 fired rows 0.3 ms after
     /// direct deletes, 3.5 ms every time after deletes in savepoints). Holding the
     /// table's ROW EXCLUSIVE lock from before the check, no trigger, foreign key or rule
     /// can appear before the delete (creating one needs a lock that conflicts with it).
+    /// A prepared statement, planned once per connection: sent as a simple query with
+    /// the lock, parsed and planned for every batch, it cost Postgres 0.3–0.4 ms a batch
+    /// more (pgbench, docs/performance.md).
     pub(super) guard: Arc<str>,
     pub(super) probe: Arc<str>,
     pub(super) counts: Arc<str>,
@@ -110,9 +119,10 @@ impl Writes {
         let secs = format!("(extract(epoch FROM {due_at}) - extract(epoch FROM now()))::float8");
         let from = super::from_bound("$3");
         Self {
+            table: t.as_str().into(),
+            lock: format!("LOCK TABLE {t} IN ROW EXCLUSIVE MODE").into(),
             guard: format!(
-                "LOCK TABLE {t} IN ROW EXCLUSIVE MODE; \
-                 SELECT EXISTS (SELECT FROM pg_catalog.pg_constraint \
+                "SELECT EXISTS (SELECT FROM pg_catalog.pg_constraint \
                  WHERE confrelid = c.oid AND contype = 'f') \
                  OR EXISTS (SELECT FROM pg_catalog.pg_trigger WHERE tgrelid = c.oid \
                  AND NOT tgisinternal AND tgenabled <> 'D' AND (tgtype::int4 & {ON_DELETE}) <> 0 \
@@ -122,7 +132,7 @@ impl Writes {
                  OR EXISTS (SELECT FROM pg_catalog.pg_inherits WHERE inhparent = c.oid) \
                  OR c.relrowsecurity OR c.relkind <> 'r' \
                  OR c.relreplident = 'n' OR NOT has_table_privilege(c.oid, 'DELETE') \
-                 FROM pg_catalog.pg_class AS c WHERE c.oid = '{t}'::regclass"
+                 FROM pg_catalog.pg_class AS c WHERE c.oid = $1::regclass"
             )
             .into(),
             // Seconds from now (database clock) to the earliest due row, and to the
