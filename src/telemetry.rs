@@ -146,7 +146,9 @@ impl std::fmt::Display for Shown<'_> {
 
 /// A log writer that escapes each event ([`escape`]) but its final newline: the
 /// formatter hands over one whole event per write, so a value holding `\n` or `\r`
-/// cannot forge a line.
+/// cannot forge a line. Each event reaches the inner writer in one `write_all`, its
+/// newline with it: stderr is locked per call, and an event written in two would let
+/// another thread's event in between (two events on one line, then an empty one).
 struct Escaping<M> {
     inner: M,
     spelling: Spelling,
@@ -181,9 +183,15 @@ impl<W: Write> Write for EscapingWriter<W> {
             Some(line) => (line, "\n"),
             None => (&*text, ""),
         };
-        let escaped = escape(line, self.spelling);
-        self.inner.write_all(escaped.as_bytes())?;
-        self.inner.write_all(end.as_bytes())?;
+        match escape(line, self.spelling) {
+            // Nothing to escape: the event as it came, newline and all.
+            Cow::Borrowed(_) if matches!(text, Cow::Borrowed(_)) => self.inner.write_all(buf)?,
+            escaped => {
+                let mut event = escaped.into_owned();
+                event.push_str(end);
+                self.inner.write_all(event.as_bytes())?;
+            }
+        }
         Ok(buf.len())
     }
 
@@ -342,6 +350,37 @@ mod tests {
         w.write_all(b"WARN exchange=x\nINFO forged\r\n")
             .expect("write");
         assert_eq!(out, b"WARN exchange=x\\nINFO forged\\r\n");
+    }
+
+    /// What the inner writer was handed, call by call.
+    #[derive(Default)]
+    struct Calls(Vec<Vec<u8>>);
+
+    impl Write for Calls {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.push(buf.to_vec());
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn each_event_reaches_the_inner_writer_in_one_write_newline_included() {
+        for (event, written) in [
+            (&b"INFO plain\n"[..], &b"INFO plain\n"[..]),
+            (b"WARN exchange=x\ny\n", b"WARN exchange=x\\ny\n"),
+            (b"INFO \xff\n", "INFO \u{fffd}\n".as_bytes()),
+        ] {
+            let mut w = EscapingWriter {
+                inner: Calls::default(),
+                spelling: Spelling::Rust,
+            };
+            w.write_all(event).expect("write");
+            assert_eq!(w.inner.0, vec![written.to_vec()], "{event:?}");
+        }
     }
 
     #[test]
