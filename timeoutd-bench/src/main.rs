@@ -260,7 +260,8 @@ pub(crate) struct Args {
     /// A program run as `PROGRAM start <pid>` when a burst (and the delayed burst) begins
     /// firing and `PROGRAM stop <pid>` once its last message is received, with the firing
     /// daemon's pid: to profile just that (e.g. `perf record -p`, `callgrind_control -i`).
-    /// The bench waits for each call to return.
+    /// Around the hand-rolled loop likewise, with the pid of the loop's process. The bench
+    /// waits for each call to return.
     #[arg(long)]
     pub(crate) burst_hook: Option<PathBuf>,
     /// The timeoutd binary. Default: `timeoutd` next to this program.
@@ -408,6 +409,9 @@ impl Plan {
 
 #[tokio::main]
 pub(crate) async fn main() -> Result<()> {
+    if std::env::args().nth(1).as_deref() == Some(LOOP_ARG) {
+        return loop_process().await;
+    }
     let args = Args::parse();
     let plan = Plan::from(&args)?;
     let daemon_bin = daemon_path(&args)?;

@@ -218,7 +218,7 @@ impl Report {
             ),
             line(
                 "burst: CPU per TimeOut, every process (/proc)",
-                b.cpu.per_message_text(b.rows, "bench (consumer)"),
+                b.cpu.per_message_text(b.rows, "daemon", "bench (consumer)"),
                 "",
                 None,
             ),
@@ -676,8 +676,11 @@ pub(crate) fn catch_up_lines(c: &CatchUp, publish: f64) -> Vec<Line> {
         ),
         line(
             "catch-up: CPU per TimeOut, every process (/proc)",
-            c.cpu
-                .per_message_text(c.rows + c.fresh_rows, "bench (consumer, fresh rows)"),
+            c.cpu.per_message_text(
+                c.rows + c.fresh_rows,
+                "daemon",
+                "bench (consumer, fresh rows)",
+            ),
             "",
             None,
         ),
@@ -769,7 +772,7 @@ pub(crate) fn limit_lines(l: &PublishLimit, burst: f64) -> Vec<Line> {
             "publish limit, best setting: CPU per message, every process (/proc)",
             l.best
                 .cpu
-                .per_message_text(l.best.msgs, "bench (publisher, consumer)"),
+                .per_message_text(l.best.msgs, "daemon", "bench (publisher, consumer)"),
             "",
             None,
         ),
@@ -811,7 +814,7 @@ pub(crate) fn hand_rolled_lines(h: &HandRolled, limit: f64, burst: f64) -> Vec<L
         ),
         line(
             "hand-rolled firing: CPU per TimeOut, every process (/proc)",
-            h.cpu.per_message_text(h.rows, "bench (loop, consumer)"),
+            h.cpu.per_message_text(h.rows, "loop", "bench (consumer)"),
             "",
             None,
         ),
