@@ -19,15 +19,20 @@ enum Role {
 }
 
 impl Role {
-    fn of(pid: u32, comm: &str) -> Self {
-        if pid == std::process::id() {
+    fn of(pid: u32, stat: &Stat) -> Self {
+        let me = std::process::id();
+        if pid == me {
             return Role::Bench;
         }
-        match comm {
+        // What this bench started fires, whatever its binary is called (a daemon under
+        // another name or under a profiler, the hand-rolled loop: this program again).
+        if stat.ppid == me {
+            return Role::Firing;
+        }
+        match stat.comm {
             "beam.smp" | "erl_child_setup" | "epmd" | "inet_gethost" => Role::Broker,
             "postgres" => Role::Postgres,
-            // The hand-rolled loop's process is this program started again.
-            "timeoutd" | "timeoutd-bench" => Role::Firing,
+            "timeoutd" => Role::Firing,
             _ => Role::Other,
         }
     }
@@ -136,22 +141,36 @@ fn processes() -> Vec<(u32, Role, u64)> {
     dir.filter_map(|e| {
         let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let (comm, ticks) = parse_stat(&stat)?;
-        Some((pid, Role::of(pid, comm), ticks))
+        let stat = parse_stat(&stat)?;
+        Some((pid, Role::of(pid, &stat), stat.ticks))
     })
     .collect()
 }
 
 /// The command name and utime + stime of a `/proc/<pid>/stat` line.
-pub(crate) fn parse_stat(stat: &str) -> Option<(&str, u64)> {
+pub(crate) fn parse_stat(stat: &str) -> Option<Stat<'_>> {
     // The command name may hold spaces and parentheses: it ends at the last ')'.
     let (head, rest) = stat.rsplit_once(')')?;
     let (_, comm) = head.split_once('(')?;
     let mut fields = rest.split_whitespace();
-    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
-    let utime: u64 = fields.nth(11)?.parse().ok()?;
+    // ppid is field 4 of stat, 2 after the name; utime and stime are fields 14 and 15.
+    let ppid: u32 = fields.nth(1)?.parse().ok()?;
+    let utime: u64 = fields.nth(9)?.parse().ok()?;
     let stime: u64 = fields.next()?.parse().ok()?;
-    Some((comm, utime + stime))
+    Some(Stat {
+        comm,
+        ppid,
+        ticks: utime + stime,
+    })
+}
+
+/// What the bench reads of `/proc/<pid>/stat`.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Stat<'a> {
+    pub(crate) comm: &'a str,
+    pub(crate) ppid: u32,
+    /// utime + stime, in USER_HZ ticks.
+    pub(crate) ticks: u64,
 }
 
 #[cfg(test)]
@@ -161,7 +180,12 @@ mod tests {
     #[test]
     fn stat_with_a_strange_name() {
         let stat = "42 (a) b (c)) S 1 42 42 0 -1 4194560 100 0 0 0 7 3 0 0 20 0 1 0 5 0 0";
-        assert_eq!(parse_stat(stat), Some(("a) b (c)", 10)));
+        let parsed = Stat {
+            comm: "a) b (c)",
+            ppid: 1,
+            ticks: 10,
+        };
+        assert_eq!(parse_stat(stat), Some(parsed));
         assert_eq!(parse_stat("42 (x) S 1"), None);
     }
 }

@@ -750,7 +750,7 @@ impl Watch {
 fn ticks(pid: u32) -> Result<u64> {
     let path = format!("/proc/{pid}/stat");
     let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    Ok(parse_stat(&stat).context("malformed stat")?.1)
+    Ok(parse_stat(&stat).context("malformed stat")?.ticks)
 }
 
 /// Spawn one daemon per site index in `layout`, as fast as they go.

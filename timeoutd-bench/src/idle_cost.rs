@@ -76,7 +76,7 @@ pub(crate) async fn idle_cost(env: &Env, secs: u64) -> Result<IdleCost> {
 fn cpu_ticks(d: &Daemon) -> Result<u64> {
     let path = format!("/proc/{}/stat", d.pid);
     let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    let (_, ticks) = parse_stat(&stat).context("malformed stat")?;
+    let ticks = parse_stat(&stat).context("malformed stat")?.ticks;
     Ok(ticks)
 }
 
