@@ -123,6 +123,11 @@ impl Kind {
         }
     }
 
+    /// The table, schema-qualified: how every statement names it.
+    pub(crate) fn qualified(self, schema: &str) -> String {
+        format!("{schema}.{}", self.table())
+    }
+
     /// The column holding its rows' deadline.
     const fn deadline_column(self) -> &'static str {
         match self {
@@ -133,7 +138,7 @@ impl Kind {
 
     /// Due means: the deadline has passed and so has any retry time (`greatest` ignores
     /// NULL). The expression index of migration 0003 serves exactly this expression.
-    fn due_at(self) -> String {
+    pub(crate) fn due_at(self) -> String {
         format!("greatest(m.{}, m.retry_at)", self.deadline_column())
     }
 

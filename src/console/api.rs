@@ -246,9 +246,9 @@ impl Statements {
         // Each list walks a due index (migrations 0003, 0004) in its order, next due
         // first: held rows sit at its end ('infinity'), failing ones are filtered on the
         // way. `LIMIT` bounds them all.
-        let list = |table: &str, cols: &str, deadline: &str| {
-            let due = format!("greatest(m.{deadline}, m.retry_at)");
-            let from = format!("FROM {schema}.{table} AS m");
+        let list = |kind: Kind, cols: &str| {
+            let due = kind.due_at();
+            let from = format!("FROM {} AS m", kind.qualified(schema));
             [
                 format!("SELECT {cols} {from} ORDER BY {due} LIMIT $1"),
                 format!(
@@ -261,11 +261,11 @@ impl Statements {
                 ),
             ]
         };
-        let e = format!("{schema}.expected_messages");
-        let d = format!("{schema}.delayed_messages");
+        let e = Kind::Expectation.qualified(schema);
+        let d = Kind::Delayed.qualified(schema);
         Self {
-            expectations: list("expected_messages", EXPECTATION_COLUMNS, "timeout_at"),
-            delayed: list("delayed_messages", DELAYED_COLUMNS, "deliver_at"),
+            expectations: list(Kind::Expectation, EXPECTATION_COLUMNS),
+            delayed: list(Kind::Delayed, DELAYED_COLUMNS),
             // By process id (the index of migration 0009) or by the row's id.
             search_expectations: format!(
                 "(SELECT {EXPECTATION_COLUMNS} FROM {e} AS m WHERE m.process_id = $1 LIMIT $3) \

@@ -282,7 +282,7 @@ pub(super) struct Statements {
 
 impl Statements {
     pub(super) fn new(schema: &str) -> Self {
-        let t = format!("{schema}.{}", Kind::Delayed.table());
+        let t = Kind::Delayed.qualified(schema);
         let c = format!("{schema}.delayed_cancels");
         let u = format!("{schema}.delayed_usage");
         // The lock space of this schema's ingest, apart from other schemas and other

@@ -165,7 +165,7 @@ pub(super) struct Statements {
 
 impl Statements {
     pub(super) fn new(schema: &str) -> Self {
-        let t = format!("{schema}.{}", Kind::Expectation.table());
+        let t = Kind::Expectation.qualified(schema);
         // A parked row's retry_at is 'infinity', which no client type holds: it is shown
         // as `parked` instead.
         let deadline = Kind::Expectation.deadline();

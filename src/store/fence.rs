@@ -18,9 +18,9 @@ impl Store {
     /// database role, or `pg_signal_backend`.
     pub async fn fence(&self, nodes: &[Uuid]) -> Result<usize, StoreError> {
         let names: Vec<String> = nodes.iter().copied().map(session_name).collect();
-        let tables: Vec<String> = Kind::ALL
+        let tables: Vec<&str> = Kind::ALL
             .iter()
-            .map(|t| format!("{}.{}", self.schema, t.table()))
+            .map(|&kind| &*self.writes(kind).table)
             .collect();
         let ended: Vec<bool> = sqlx::query_scalar(
             // CASE: only a session that holds rows is ended (AND would not promise the order).

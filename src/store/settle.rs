@@ -112,7 +112,7 @@ pub(super) struct Writes {
 
 impl Writes {
     pub(super) fn new(schema: &str, kind: Kind) -> Self {
-        let t = format!("{schema}.{}", kind.table());
+        let t = kind.qualified(schema);
         let (deadline, due_at) = (kind.deadline(), kind.due_at());
         // Epochs, not a difference of timestamps: '-infinity' - now() is an error before
         // Postgres 17, its epoch is minus infinity.
