@@ -13,17 +13,9 @@ pub(crate) struct PublishBaseline {
 }
 
 /// A connection of the publisher's own and a channel in confirm mode on it.
-pub(crate) async fn confirm_channel(env: &Env) -> Result<(Connection, lapin::Channel)> {
-    let conn = bounded(
-        "connect to RabbitMQ",
-        Duration::from_secs(10),
-        Connection::connect(&env.amqp_url, ConnectionProperties::default()),
-    )
-    .await??;
-    let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+pub(crate) async fn publisher(env: &Env) -> Result<(Connection, lapin::Channel)> {
+    let conn = connect_amqp(&env.amqp_url).await?;
+    let channel = confirm_channel(&conn).await?;
     Ok((conn, channel))
 }
 
@@ -34,7 +26,7 @@ pub(crate) async fn baseline_publish(env: &Env, n: usize) -> Result<PublishBasel
     let mut messages = baseline_messages(&env.queue, n + WINDOW)?;
     let timed = messages.split_off(WINDOW);
     let expected: HashSet<Uuid> = timed.iter().map(|(id, _)| *id).collect();
-    let (conn, channel) = confirm_channel(env).await?;
+    let (conn, channel) = publisher(env).await?;
     publish_window(&channel, &messages).await?;
     env.inbox.wait_for(WINDOW, receive_limit(WINDOW)).await;
     env.inbox.take();

@@ -147,7 +147,7 @@ fn processes() -> Vec<(u32, Role, u64)> {
     .collect()
 }
 
-/// The command name and utime + stime of a `/proc/<pid>/stat` line.
+/// The command name, the parent pid and utime + stime of a `/proc/<pid>/stat` line.
 pub(crate) fn parse_stat(stat: &str) -> Option<Stat<'_>> {
     // The command name may hold spaces and parentheses: it ends at the last ')'.
     let (head, rest) = stat.rsplit_once(')')?;

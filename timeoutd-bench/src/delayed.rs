@@ -532,7 +532,7 @@ pub(crate) struct Publisher {
 
 impl Publisher {
     pub(crate) async fn open(env: &Env) -> Result<Self> {
-        let (conn, channel) = crate::baselines::confirm_channel(env).await?;
+        let (conn, channel) = crate::baselines::publisher(env).await?;
         Ok(Self {
             conn,
             channel,

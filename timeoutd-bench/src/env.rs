@@ -36,12 +36,7 @@ impl Env {
             .connect(&args.pg_url)
             .await
             .context("connecting to Postgres")?;
-        let amqp = bounded(
-            "connect to RabbitMQ",
-            Duration::from_secs(10),
-            Connection::connect(&args.amqp_url, ConnectionProperties::default()),
-        )
-        .await??;
+        let amqp = connect_amqp(&args.amqp_url).await?;
         let inbox = Arc::new(Inbox::default());
         let consumer = declare_queue(&amqp, &queue).await?;
         tokio::spawn(consume(consumer, inbox.clone()));
@@ -244,17 +239,39 @@ pub(crate) async fn declare_queue(amqp: &Connection, queue: &str) -> Result<Cons
 }
 
 /// What the consumer received: `message_id` and wall-clock receipt time.
-#[derive(Default)]
 pub(crate) struct Inbox {
     pub(crate) got: Mutex<Vec<(Uuid, DateTime<Utc>)>>,
     pub(crate) count: AtomicUsize,
+    /// How many messages `wait_for` waits for (`usize::MAX`: nobody waits).
+    awaited: AtomicUsize,
+    /// Rung once `awaited` is reached: the waiter sleeps until then instead of polling,
+    /// which would cost the bench's process CPU (and wake-ups) in one phase and not in
+    /// another (the hand-rolled loop's phase waits for its process to say it is done).
+    reached: tokio::sync::Notify,
+}
+
+impl Default for Inbox {
+    fn default() -> Self {
+        Self {
+            got: Mutex::default(),
+            count: AtomicUsize::new(0),
+            awaited: AtomicUsize::new(usize::MAX),
+            reached: tokio::sync::Notify::new(),
+        }
+    }
 }
 
 impl Inbox {
     pub(crate) fn push(&self, id: Uuid, at: DateTime<Utc>) {
-        if let Ok(mut got) = self.got.lock() {
-            got.push((id, at));
-            self.count.store(got.len(), Ordering::Release);
+        let Ok(mut got) = self.got.lock() else {
+            return;
+        };
+        got.push((id, at));
+        let count = got.len();
+        self.count.store(count, Ordering::Release);
+        drop(got);
+        if count >= self.awaited.load(Ordering::Acquire) {
+            self.reached.notify_waiters();
         }
     }
 
@@ -270,14 +287,22 @@ impl Inbox {
 
     /// Wait until `n` messages arrived; `false` after `limit`.
     pub(crate) async fn wait_for(&self, n: usize, limit: Duration) -> bool {
-        let deadline = Instant::now() + limit;
-        while self.len() < n {
-            if Instant::now() >= deadline {
-                return false;
+        let deadline = tokio::time::Instant::now() + limit;
+        self.awaited.store(n, Ordering::Release);
+        let arrived = loop {
+            // Registered before the count is read, so a ring in between is not lost.
+            let rung = self.reached.notified();
+            tokio::pin!(rung);
+            rung.as_mut().enable();
+            if self.len() >= n {
+                break true;
             }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        true
+            if tokio::time::timeout_at(deadline, rung).await.is_err() {
+                break self.len() >= n;
+            }
+        };
+        self.awaited.store(usize::MAX, Ordering::Release);
+        arrived
     }
 }
 
@@ -317,4 +342,23 @@ impl Delivery {
     pub(crate) fn exact(&self, n: usize) -> bool {
         self.received == n && self.distinct == n && self.duplicates == 0 && self.missing == 0
     }
+}
+
+/// A connection to RabbitMQ of its own, given 10 s.
+pub(crate) async fn connect_amqp(url: &str) -> Result<Connection> {
+    Ok(bounded(
+        "connect to RabbitMQ",
+        Duration::from_secs(10),
+        Connection::connect(url, ConnectionProperties::default()),
+    )
+    .await??)
+}
+
+/// A channel in confirm mode on `conn`.
+pub(crate) async fn confirm_channel(conn: &Connection) -> Result<lapin::Channel> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
 }

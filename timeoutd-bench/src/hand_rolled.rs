@@ -146,19 +146,10 @@ pub(crate) async fn loop_process() -> Result<()> {
         .connect(&pg_url)
         .await
         .context("connecting to Postgres")?;
-    let amqp = bounded(
-        "connect to RabbitMQ",
-        Duration::from_secs(10),
-        Connection::connect(&amqp_url, ConnectionProperties::default()),
-    )
-    .await??;
+    let amqp = connect_amqp(&amqp_url).await?;
     let mut channels = Vec::with_capacity(workers);
     for _ in 0..workers {
-        let channel = amqp.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
-        channels.push(channel);
+        channels.push(confirm_channel(&amqp).await?);
     }
     // Every connection opened before the clock starts, as the daemon's are.
     let mut warm = Vec::with_capacity(workers);

@@ -58,7 +58,7 @@ async fn trial(
     window: usize,
     consumed: bool,
 ) -> Result<Trial> {
-    let (conn, _) = confirm_channel(env).await?;
+    let (conn, _) = publisher(env).await?;
     let queue = if consumed {
         env.queue.clone()
     } else {
@@ -76,10 +76,7 @@ async fn trial(
     let per = n.div_ceil(channels);
     let mut shares = Vec::new();
     for share in messages.chunks(per) {
-        let channel = conn.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let channel = confirm_channel(&conn).await?;
         shares.push((channel, share.to_vec()));
     }
     env.inbox.take();
