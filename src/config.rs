@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::destinations::{DestinationError, Destinations, Names};
 use crate::election::{Rule, Timing};
-use crate::wire::delayed::{DestinationError, Destinations, Names, Rules};
 
 mod addresses;
 mod secret_url;
@@ -94,7 +94,7 @@ pub struct Delay {
     /// Where a message goes when it names no exchange of its own.
     pub target_exchange: String,
     /// Exchanges (names or glob patterns) a message may name besides `target_exchange`;
-    /// some are refused whatever is listed (see `wire::delayed::Destinations`). A list
+    /// some are refused whatever is listed (see `destinations::Destinations`). A list
     /// in TOML, a comma-separated string in the environment.
     #[serde(deserialize_with = "names")]
     pub allowed_exchanges: Vec<String>,
@@ -595,15 +595,6 @@ impl Settings {
             e @ DestinationError::Pattern { .. } => {
                 ConfigError::invalid("delay.allowed_exchanges", e.to_string())
             }
-        })
-    }
-
-    /// What an arriving delayed message is judged by.
-    pub fn delay_rules(&self) -> Result<Rules, ConfigError> {
-        Ok(Rules {
-            destinations: self.delay_destinations()?,
-            max_body: usize::try_from(self.delay.max_body.as_u64()).unwrap_or(usize::MAX),
-            max_delay: self.delay.max_delay,
         })
     }
 

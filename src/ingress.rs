@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::bus::{Arrived, Bus, BusError, InTheWay, Ingress, IngressSpec};
 use crate::config::Settings;
+use crate::destinations::Destinations;
 use crate::metrics::Metrics;
 use crate::shutdown::sleep_or_stop;
 use crate::status::{IngressStatus, Status};
@@ -95,10 +96,10 @@ impl Intake {
 
     fn judge(&self) -> Judge {
         let delay = &self.settings.delay;
-        let rules = self.settings.delay_rules().unwrap_or_else(|e| {
+        let rules = Rules::of(&self.settings).unwrap_or_else(|e| {
             tracing::error!(error = %e, "delayed messages will be stored held");
             Rules {
-                destinations: delayed::Destinations::nowhere(),
+                destinations: Destinations::nowhere(),
                 max_body: 0,
                 max_delay: Duration::ZERO,
             }

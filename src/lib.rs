@@ -48,9 +48,11 @@
 //! - [`election`]: the GUID election as a pure state machine (no clock, no I/O).
 //! - [`admission`]: which announcements count (broker user, group secret, replays), before
 //!   the election hears them.
+//! - [`destinations`]: where a delayed message may go (contract section 8): the one rule,
+//!   judged at ingest, at delivery and when the configuration loads.
 //! - [`wire`]: every wire format without lapin: the announcement, the TimeOut, the delayed
-//!   message (what an arriving one asks for, where it may go, what a due one becomes), AMQP
-//!   field values that survive jsonb.
+//!   message (what an arriving one asks for, what a due one becomes), AMQP field values
+//!   that survive jsonb.
 //! - `backoff`: capped exponential backoff with jitter.
 //! - `health`: since when each of the node's own checks has been failing.
 //! - `shutdown`: the exit reasons, waits that give way to a stop, what a stop gave up.
@@ -76,6 +78,7 @@ pub use timeoutd_client as client;
 pub mod commands;
 pub mod config;
 pub mod daemon;
+pub mod destinations;
 pub mod election;
 pub mod kind;
 pub mod status;

@@ -23,13 +23,13 @@ use uuid::Uuid;
 
 use crate::bus::Bus;
 use crate::config::Settings;
+use crate::destinations::Destinations;
 use crate::election::{Lease, LeaseView};
 use crate::health::{Check, Health};
 use crate::metrics::Metrics;
 use crate::shutdown::Stopping;
 use crate::status::Status;
 use crate::store::{Store, StoreError, bounded};
-use crate::wire::delayed::Destinations;
 
 mod batch;
 mod checks;

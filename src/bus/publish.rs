@@ -163,7 +163,7 @@ pub enum PublishError {
     #[error("invalid message: {0}")]
     Invalid(String),
     /// A destination this message may never be sent to (see
-    /// `wire::delayed::Destinations`): held for an operator, not retried.
+    /// `destinations::Destinations`): held for an operator, not retried.
     #[error("not allowed, held: {0}")]
     NotAllowed(String),
     /// Over `amqp.max_message_size`, or over the broker's own limit once it refused one.

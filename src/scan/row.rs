@@ -8,9 +8,9 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::bus::PublishError;
+use crate::destinations::Destinations;
 use crate::kind::Kind;
 use crate::store::{DelayedRow, DueRow, Store, StoreError};
-use crate::wire::delayed::Destinations;
 use crate::wire::{self, Message};
 
 /// A due row of one kind, as its batch locked it.

@@ -10,8 +10,8 @@ use uuid::Uuid;
 use super::{Invalid, Message, Properties, Value, short};
 use crate::store::{Bound, DelayedRow, Due, Held, Ingest, Stored};
 
-mod destinations;
-pub use destinations::{DestinationError, Destinations, Names};
+use crate::config::{ConfigError, Settings};
+use crate::destinations::Destinations;
 
 /// Milliseconds to wait, as with the delayed-message-exchange plugin (see [`delay_ms`]).
 pub const DELAY_HEADER: &str = "x-delay";
@@ -39,6 +39,17 @@ pub struct Rules {
     pub max_body: usize,
     /// `delay.max_delay`.
     pub max_delay: Duration,
+}
+
+impl Rules {
+    /// The rules a group's settings make (`delay.*`, and the exchanges never allowed).
+    pub fn of(settings: &Settings) -> Result<Self, ConfigError> {
+        Ok(Self {
+            destinations: settings.delay_destinations()?,
+            max_body: usize::try_from(settings.delay.max_body.as_u64()).unwrap_or(usize::MAX),
+            max_delay: settings.delay.max_delay,
+        })
+    }
 }
 
 /// Read one arriving message (its routing key, properties and body); `now` bounds

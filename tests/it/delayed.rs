@@ -438,7 +438,7 @@ async fn a_redelivered_message_is_stored_and_delivered_once() {
     wait_active(&node).await;
     // Stored only once the node runs: the redelivery follows it by one publish, well
     // inside the delay, however slowly the node came up.
-    let rules = world.settings().delay_rules().expect("rules");
+    let rules = timeoutd::wire::delayed::Rules::of(&world.settings()).expect("rules");
     let stored = store
         .ingest(
             &[ingest(first, &rules, Utc::now())],

@@ -1,4 +1,5 @@
 use super::*;
+use crate::destinations::Names;
 
 fn rules() -> Rules {
     Rules {
