@@ -868,3 +868,45 @@ fn the_defaults_are_the_test_services_ports() {
         );
     }
 }
+
+/// `clients` clients on a thread and a runtime of their own (so that the node under test
+/// does not serve its own flood), client `c` asking `ask(step)` for step `c`, `c + 1`, …
+/// until `stopped`; what each answer counted, summed over all.
+pub fn flood<T, F, Fut>(
+    clients: usize,
+    stopped: tokio::sync::watch::Receiver<bool>,
+    ask: F,
+) -> std::thread::JoinHandle<T>
+where
+    T: Default + std::ops::AddAssign + Send + 'static,
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = T> + Send,
+{
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime for the flood's clients");
+    std::thread::spawn(move || {
+        runtime.block_on(async move {
+            let mut set = tokio::task::JoinSet::new();
+            for first in 0..clients {
+                let (mut stopped, ask) = (stopped.clone(), ask.clone());
+                set.spawn(async move {
+                    let mut got = T::default();
+                    for step in first.. {
+                        tokio::select! {
+                            _ = stopped.changed() => break,
+                            one = ask(step) => got += one,
+                        }
+                    }
+                    got
+                });
+            }
+            let mut all = T::default();
+            while let Some(Ok(got)) = set.join_next().await {
+                all += got;
+            }
+            all
+        })
+    })
+}

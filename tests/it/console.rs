@@ -12,7 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use timeoutd::client::Expectation;
 
-use crate::common::{Inbox, PATIENCE, Proc, World, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, Proc, World, flood, wait_for, wait_for_async};
 use crate::http::{get, metric};
 
 const ADMIN: &str = "admin-token-of-the-test-0123456789";
@@ -636,82 +636,66 @@ struct Asked {
     failed: u64,
 }
 
+impl std::ops::AddAssign for Asked {
+    fn add_assign(&mut self, g: Self) {
+        self.rows_ok += g.rows_ok;
+        self.busy += g.busy;
+        self.refused += g.refused;
+        self.acted += g.acted;
+        self.other += g.other;
+        self.failed += g.failed;
+    }
+}
+
+/// `clients` clients asking, in turn, for the summary, a list, a search and a row
+/// (authorised), for a cancel of `keep` with the read token (refused) and with a wrong
+/// token, until `stopped`.
 fn console_flood(
     addr: SocketAddr,
     clients: usize,
     keep: uuid::Uuid,
     stopped: tokio::sync::watch::Receiver<bool>,
 ) -> std::thread::JoinHandle<Asked> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime for the clients");
-    std::thread::spawn(move || {
-        runtime.block_on(async move {
-            let mut set = tokio::task::JoinSet::new();
-            for first in 0..clients {
-                let mut stopped = stopped.clone();
-                set.spawn(async move {
-                    let mut got = Asked::default();
-                    let (read, wrong) = (bearer(READ), bearer("a-wrong-token-for-the-flood"));
-                    let cancel =
-                        serde_json::json!({"kind": "expectation", "action": "cancel", "id": keep})
-                            .to_string();
-                    let detail = format!("/console/api/row?kind=expectation&id={keep}");
-                    for step in (first % 6).. {
-                        let (method, path, auth, body): (&str, &str, Option<&str>, Option<&str>) =
-                            match step % 6 {
-                                0 => ("GET", "/console/api/summary", None, None),
-                                1 => (
-                                    "GET",
-                                    "/console/api/rows?kind=expectation&state=pending",
-                                    Some(&read),
-                                    None,
-                                ),
-                                2 => (
-                                    "GET",
-                                    "/console/api/search?q=console-flood",
-                                    Some(&read),
-                                    None,
-                                ),
-                                3 => ("GET", &detail, Some(&read), None),
-                                4 => ("POST", "/console/api/action", Some(&read), Some(&cancel)),
-                                _ => ("POST", "/console/api/action", Some(&wrong), Some(&cancel)),
-                            };
-                        let mut headers = vec![("Content-Type", "application/json")];
-                        if let Some(a) = auth {
-                            headers.push(("Authorization", a));
-                        }
-                        let answer = tokio::select! {
-                            _ = stopped.changed() => return got,
-                            a = request(addr, method, path, &headers, body) => a,
-                        };
-                        match answer {
-                            Ok(a) if a.status == 200 && method == "POST" => got.acted += 1,
-                            Ok(a) if a.status == 200 => got.rows_ok += 1,
-                            Ok(a) if a.status == 503 => got.busy += 1,
-                            Ok(a) if a.status == 401 || a.status == 403 => got.refused += 1,
-                            Ok(_) => got.other += 1,
-                            Err(_) => {
-                                got.failed += 1;
-                                tokio::time::sleep(Duration::from_millis(10)).await;
-                            }
-                        }
-                    }
-                    got
-                });
+    flood(clients, stopped, move |step| async move {
+        let (read, wrong) = (bearer(READ), bearer("a-wrong-token-for-the-flood"));
+        let cancel =
+            serde_json::json!({"kind": "expectation", "action": "cancel", "id": keep}).to_string();
+        let detail = format!("/console/api/row?kind=expectation&id={keep}");
+        let (method, path, auth, body): (&str, &str, Option<&str>, Option<&str>) = match step % 6 {
+            0 => ("GET", "/console/api/summary", None, None),
+            1 => (
+                "GET",
+                "/console/api/rows?kind=expectation&state=pending",
+                Some(&read),
+                None,
+            ),
+            2 => (
+                "GET",
+                "/console/api/search?q=console-flood",
+                Some(&read),
+                None,
+            ),
+            3 => ("GET", &detail, Some(&read), None),
+            4 => ("POST", "/console/api/action", Some(&read), Some(&cancel)),
+            _ => ("POST", "/console/api/action", Some(&wrong), Some(&cancel)),
+        };
+        let mut headers = vec![("Content-Type", "application/json")];
+        if let Some(a) = auth {
+            headers.push(("Authorization", a));
+        }
+        let mut got = Asked::default();
+        match request(addr, method, path, &headers, body).await {
+            Ok(a) if a.status == 200 && method == "POST" => got.acted += 1,
+            Ok(a) if a.status == 200 => got.rows_ok += 1,
+            Ok(a) if a.status == 503 => got.busy += 1,
+            Ok(a) if a.status == 401 || a.status == 403 => got.refused += 1,
+            Ok(_) => got.other += 1,
+            Err(_) => {
+                got.failed += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            let mut all = Asked::default();
-            while let Some(Ok(g)) = set.join_next().await {
-                all.rows_ok += g.rows_ok;
-                all.busy += g.busy;
-                all.refused += g.refused;
-                all.acted += g.acted;
-                all.other += g.other;
-                all.failed += g.failed;
-            }
-            all
-        })
+        }
+        got
     })
 }
 

@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use timeoutd::client::Expectation;
 
-use crate::common::{Inbox, PATIENCE, Proc, World, wait_active, wait_for, wait_for_async};
+use crate::common::{Inbox, PATIENCE, Proc, World, flood, wait_active, wait_for, wait_for_async};
 
 /// A plain HTTP/1.1 GET: (status code, body).
 pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
@@ -419,7 +419,7 @@ async fn a_scrape_flood_neither_delays_timeouts_nor_turns_readiness_red() {
     })
     .await;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let flood = flood(addr, SCRAPERS, stopped.clone());
+    let flood = scrape_flood(addr, SCRAPERS, stopped.clone());
     let readiness = tokio::spawn(probe_readiness(addr, stopped.clone()));
     let sessions = tokio::spawn(watch_sessions(
         world.pool.clone(),
@@ -496,55 +496,38 @@ struct Scraped {
     failed: u64,
 }
 
-/// `scrapers` clients on a thread and runtime of their own, each asking for every
-/// endpoint in turn until `stopped`.
-fn flood(
+impl std::ops::AddAssign for Scraped {
+    fn add_assign(&mut self, got: Self) {
+        self.answered += got.answered;
+        self.not_ok += got.not_ok;
+        self.readyz_not_ok += got.readyz_not_ok;
+        self.failed += got.failed;
+    }
+}
+
+/// `scrapers` clients, each asking for every endpoint in turn until `stopped`.
+fn scrape_flood(
     addr: SocketAddr,
     scrapers: usize,
     stopped: tokio::sync::watch::Receiver<bool>,
 ) -> std::thread::JoinHandle<Scraped> {
     const PATHS: [&str; 3] = ["/metrics", "/readyz", "/status"];
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime for the scrapers");
-    std::thread::spawn(move || {
-        runtime.block_on(async move {
-            let mut set = tokio::task::JoinSet::new();
-            for first in 0..scrapers {
-                let mut stopped = stopped.clone();
-                set.spawn(async move {
-                    let mut got = Scraped::default();
-                    for path in PATHS.iter().cycle().skip(first % PATHS.len()) {
-                        let answer = tokio::select! {
-                            _ = stopped.changed() => return got,
-                            a = try_get(addr, path) => a,
-                        };
-                        match answer {
-                            Ok((200, _)) => got.answered += 1,
-                            Ok(_) => {
-                                got.answered += 1;
-                                got.not_ok += 1;
-                                got.readyz_not_ok += u64::from(*path == "/readyz");
-                            }
-                            Err(_) => {
-                                got.failed += 1;
-                                tokio::time::sleep(Duration::from_millis(10)).await;
-                            }
-                        }
-                    }
-                    got
-                });
+    flood(scrapers, stopped, move |step| async move {
+        let path = PATHS[step % PATHS.len()];
+        let mut got = Scraped::default();
+        match try_get(addr, path).await {
+            Ok((200, _)) => got.answered += 1,
+            Ok(_) => {
+                got.answered += 1;
+                got.not_ok += 1;
+                got.readyz_not_ok += u64::from(path == "/readyz");
             }
-            let mut all = Scraped::default();
-            while let Some(Ok(got)) = set.join_next().await {
-                all.answered += got.answered;
-                all.not_ok += got.not_ok;
-                all.readyz_not_ok += got.readyz_not_ok;
-                all.failed += got.failed;
+            Err(_) => {
+                got.failed += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            all
-        })
+        }
+        got
     })
 }
 
