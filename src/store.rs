@@ -136,6 +136,25 @@ impl Kind {
         }
     }
 
+    /// A row as the lists show it (`timeoutd pending --list`, the console): deadlines
+    /// clamped so that '-infinity' and 'infinity' still decode; the 'infinity' of a held
+    /// (or parked) row's `retry_at`, which no client type holds, shown as `held`.
+    pub(crate) fn list_columns(self) -> String {
+        let (deadline, column) = (self.deadline(), self.deadline_column());
+        let (own, size) = match self {
+            Kind::Expectation => ("m.process_id, m.message_type", ""),
+            Kind::Delayed => (
+                "m.owner, m.message_id",
+                "octet_length(m.body) AS body_bytes, ",
+            ),
+        };
+        format!(
+            "m.id, {own}, {deadline} AS {column}, m.exchange, m.routing_key, {size}\
+             m.attempts, m.last_error, CASE WHEN isfinite(m.retry_at) THEN m.retry_at END \
+             AS retry_at, coalesce(m.retry_at = 'infinity', false) AS held"
+        )
+    }
+
     /// Due means: the deadline has passed and so has any retry time (`greatest` ignores
     /// NULL). The expression index of migration 0003 serves exactly this expression.
     pub(crate) fn due_at(self) -> String {

@@ -227,20 +227,6 @@ struct Statements {
     delayed_one: String,
 }
 
-/// Columns as the lists show them. Deadlines are clamped so that '-infinity' and
-/// 'infinity' still decode; a held or parked row's `retry_at` ('infinity') is shown as
-/// `held`.
-const EXPECTATION_COLUMNS: &str = "m.id, m.process_id, m.message_type, \
-     least(greatest(m.timeout_at, '0001-01-01T00:00:00Z'), '9999-12-31T23:59:59Z') AS timeout_at, \
-     m.exchange, m.routing_key, m.attempts, m.last_error, \
-     CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
-     coalesce(m.retry_at = 'infinity', false) AS held";
-const DELAYED_COLUMNS: &str = "m.id, m.owner, m.message_id, \
-     least(greatest(m.deliver_at, '0001-01-01T00:00:00Z'), '9999-12-31T23:59:59Z') AS deliver_at, \
-     m.exchange, m.routing_key, octet_length(m.body) AS body_bytes, m.attempts, m.last_error, \
-     CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
-     coalesce(m.retry_at = 'infinity', false) AS held";
-
 impl Statements {
     fn new(schema: &str) -> Self {
         // Each list walks a due index (migrations 0003, 0004) in its order, next due
@@ -263,27 +249,31 @@ impl Statements {
         };
         let e = Kind::Expectation.qualified(schema);
         let d = Kind::Delayed.qualified(schema);
+        let (expectation_columns, delayed_columns) = (
+            Kind::Expectation.list_columns(),
+            Kind::Delayed.list_columns(),
+        );
         Self {
-            expectations: list(Kind::Expectation, EXPECTATION_COLUMNS),
-            delayed: list(Kind::Delayed, DELAYED_COLUMNS),
+            expectations: list(Kind::Expectation, &expectation_columns),
+            delayed: list(Kind::Delayed, &delayed_columns),
             // By process id (the index of migration 0009) or by the row's id.
             search_expectations: format!(
-                "(SELECT {EXPECTATION_COLUMNS} FROM {e} AS m WHERE m.process_id = $1 LIMIT $3) \
-                 UNION ALL (SELECT {EXPECTATION_COLUMNS} FROM {e} AS m WHERE m.id = $2)"
+                "(SELECT {expectation_columns} FROM {e} AS m WHERE m.process_id = $1 LIMIT $3) \
+                 UNION ALL (SELECT {expectation_columns} FROM {e} AS m WHERE m.id = $2)"
             ),
             // By message id across owners (the index of migration 0009) or the row's id.
             search_delayed: format!(
-                "(SELECT {DELAYED_COLUMNS} FROM {d} AS m WHERE m.message_id = $1 LIMIT $3) \
-                 UNION ALL (SELECT {DELAYED_COLUMNS} FROM {d} AS m WHERE m.id = $2)"
+                "(SELECT {delayed_columns} FROM {d} AS m WHERE m.message_id = $1 LIMIT $3) \
+                 UNION ALL (SELECT {delayed_columns} FROM {d} AS m WHERE m.id = $2)"
             ),
             expectation: format!(
-                "SELECT {EXPECTATION_COLUMNS}, m.created_at, \
+                "SELECT {expectation_columns}, m.created_at, \
                  left(m.payload::text, {PREVIEW}) AS preview, \
                  octet_length(m.payload::text)::int8 AS size, m.traceparent, m.idempotency_key \
                  FROM {e} AS m WHERE m.id = $1"
             ),
             delayed_one: format!(
-                "SELECT {DELAYED_COLUMNS}, m.created_at, \
+                "SELECT {delayed_columns}, m.created_at, \
                  substring(m.body FROM 1 FOR {PREVIEW}) AS preview, \
                  octet_length(m.body)::int8 AS size, m.properties, m.body_dropped \
                  FROM {d} AS m WHERE m.id = $1"

@@ -289,13 +289,7 @@ impl Statements {
         // users of two-key advisory locks (a collision would only make them wait).
         let space = format!("hashtext('timeoutd.delayed_messages:{schema}')");
         let mask = CANCEL_BUCKETS - 1;
-        let deadline = Kind::Delayed.deadline();
-        let cols = format!(
-            "m.id, m.owner, m.message_id, {deadline} AS deliver_at, m.exchange, m.routing_key, \
-             octet_length(m.body) AS body_bytes, m.attempts, m.last_error, \
-             CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
-             coalesce(m.retry_at = 'infinity', false) AS held"
-        );
+        let cols = Kind::Delayed.list_columns();
         Self {
             // Locks taken first, in bucket order (no deadlock between two batches):
             // exclusive on the buckets of the batch's cancels, shared on those of its

@@ -86,6 +86,7 @@ pub struct PendingRow {
     pub retry_at: Option<DateTime<Utc>>,
     /// Its TimeOut was delivered but the row could not be deleted: it never fires again
     /// and waits for an operator (see `last_error`).
+    #[sqlx(rename = "held")]
     pub parked: bool,
 }
 
@@ -166,15 +167,7 @@ pub(super) struct Statements {
 impl Statements {
     pub(super) fn new(schema: &str) -> Self {
         let t = Kind::Expectation.qualified(schema);
-        // A parked row's retry_at is 'infinity', which no client type holds: it is shown
-        // as `parked` instead.
-        let deadline = Kind::Expectation.deadline();
-        let cols = format!(
-            "m.id, m.process_id, m.message_type, {deadline} AS timeout_at, m.exchange, \
-             m.routing_key, m.attempts, m.last_error, \
-             CASE WHEN isfinite(m.retry_at) THEN m.retry_at END AS retry_at, \
-             coalesce(m.retry_at = 'infinity', false) AS parked"
-        );
+        let cols = Kind::Expectation.list_columns();
         Self {
             lock_due: lock_due_sql(&t).into(),
             payload: format!(
