@@ -186,6 +186,15 @@ pub(crate) async fn baseline_delete(env: &Env, n: usize) -> Result<DeleteBaselin
 /// `retry_at`, so it picks the same rows as the daemon's `greatest(timeout_at, retry_at)`.
 pub(crate) const DUE: &str = "coalesce(retry_at, timeout_at)";
 
+/// The table's dead rows (of the phases before) cleared, so that each firing phase
+/// starts from the same table: the hand-rolled loop would otherwise find the baseline
+/// delete's 100,000 and the daemon's burst those and the loop's as well, and an
+/// autovacuum may or may not have come in between.
+pub(crate) async fn vacuum(env: &Env) -> Result<()> {
+    env.execute(format!("VACUUM {}", env.table())).await?;
+    Ok(())
+}
+
 pub(crate) async fn analyze(env: &Env) -> Result<()> {
     env.execute(format!("ANALYZE {}", env.table())).await?;
     Ok(())

@@ -37,6 +37,7 @@ pub(crate) async fn burst(
     insert_rate: f64,
 ) -> Result<Burst> {
     let ids = fresh_ids(n);
+    vacuum(env).await?;
     let lead = Duration::from_secs_f64(n as f64 / insert_rate * 1.5 + 1.0);
     let t0 = (Utc::now() + chrono::Duration::from_std(lead)?).trunc_subsecs(6);
     env.inbox.take();

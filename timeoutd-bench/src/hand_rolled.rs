@@ -57,6 +57,7 @@ pub(crate) async fn hand_rolled(
     batch: usize,
 ) -> Result<HandRolled> {
     let ids = fresh_ids(n);
+    vacuum(env).await?;
     let mut conn = env.pool.acquire().await?;
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     insert_due(&mut tx, &env.table(), &env.queue, &ids, Deadline::At(None)).await?;
