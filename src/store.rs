@@ -136,9 +136,10 @@ impl Kind {
         }
     }
 
-    /// A row as the lists show it (`timeoutd pending --list`, the console): deadlines
+    /// A row as the lists read it (`timeoutd pending --list`, the console): deadlines
     /// clamped so that '-infinity' and 'infinity' still decode; the 'infinity' of a held
-    /// (or parked) row's `retry_at`, which no client type holds, shown as `held`.
+    /// (or parked) row's `retry_at`, which no client type holds, selected as `held`
+    /// instead (the command line reads it into `PendingRow::parked` and shows it so).
     pub(crate) fn list_columns(self) -> String {
         let (deadline, column) = (self.deadline(), self.deadline_column());
         let (own, size) = match self {

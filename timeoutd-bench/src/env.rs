@@ -268,27 +268,29 @@ impl Inbox {
         };
         got.push((id, at));
         let count = got.len();
-        self.count.store(count, Ordering::Release);
+        // SeqCst here and in `wait_for`: each writes one of `count` and `awaited` and
+        // then reads the other, so at least one of them sees the other's write.
+        self.count.store(count, Ordering::SeqCst);
         drop(got);
-        if count >= self.awaited.load(Ordering::Acquire) {
+        if count >= self.awaited.load(Ordering::SeqCst) {
             self.reached.notify_waiters();
         }
     }
 
     pub(crate) fn take(&self) -> Vec<(Uuid, DateTime<Utc>)> {
         let got = self.got.lock().map(|mut g| std::mem::take(&mut *g));
-        self.count.store(0, Ordering::Release);
+        self.count.store(0, Ordering::SeqCst);
         got.unwrap_or_default()
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.count.load(Ordering::Acquire)
+        self.count.load(Ordering::SeqCst)
     }
 
     /// Wait until `n` messages arrived; `false` after `limit`.
     pub(crate) async fn wait_for(&self, n: usize, limit: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + limit;
-        self.awaited.store(n, Ordering::Release);
+        self.awaited.store(n, Ordering::SeqCst);
         let arrived = loop {
             // Registered before the count is read, so a ring in between is not lost.
             let rung = self.reached.notified();
