@@ -303,7 +303,7 @@ impl Inbox {
                 break self.len() >= n;
             }
         };
-        self.awaited.store(usize::MAX, Ordering::Release);
+        self.awaited.store(usize::MAX, Ordering::SeqCst);
         arrived
     }
 }

@@ -58,7 +58,7 @@ async fn trial(
     window: usize,
     consumed: bool,
 ) -> Result<Trial> {
-    let (conn, _) = publisher(env).await?;
+    let conn = connect_amqp(&env.amqp_url).await?;
     let queue = if consumed {
         env.queue.clone()
     } else {
