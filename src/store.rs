@@ -190,12 +190,15 @@ impl Kind {
 
     /// The instant a row may be sent (its deadline, or a later retry time), clamped as
     /// [`Kind::deadline`] is, and the database clock when it was read: together they
-    /// tell the scan how long to hold the row. And the end of the window the statement
-    /// locked (every row due until then was taken, or held by another batch).
+    /// tell the scan how long to hold the row. The end of the window the statement
+    /// locked (every row due until then was taken, or held by another batch). And where
+    /// the locked version of the row lies (its `ctid`), which the batch deletes it by
+    /// (see [`Writes`](settle::Writes)).
     fn due_columns(self) -> String {
         format!(
             "least(greatest({}, '0001-01-01T00:00:00Z'), '9999-12-31T23:59:59Z') AS due_at, \
-             clock_timestamp() AS fired_at, now() + make_interval(secs => $4) AS window_end",
+             clock_timestamp() AS fired_at, now() + make_interval(secs => $4) AS window_end, \
+             m.ctid::text AS tid",
             self.due_at()
         )
     }
@@ -791,6 +794,18 @@ where
         row.try_get(index)
     } else {
         row.try_get(name)
+    }
+}
+
+/// Where a locked row lies (`ctid`, as text), read at `index`: empty where the statement
+/// did not select it (the benchmark's hand-rolled loop reads rows with its own): such a
+/// row is deleted by its id.
+fn tid(row: &sqlx::postgres::PgRow, index: usize) -> Result<String, sqlx::Error> {
+    match column(row, index, "tid") {
+        Err(sqlx::Error::ColumnNotFound(_) | sqlx::Error::ColumnIndexOutOfBounds { .. }) => {
+            Ok(String::new())
+        }
+        read => read,
     }
 }
 

@@ -202,9 +202,17 @@ pub(super) async fn run<R: Row>(
     // From here on the batch commits: the broker may have confirmed TimeOuts.
     let settling = Instant::now();
     let confirmed: Vec<Uuid> = judged.fired.iter().map(|&i| rows[i].common().id).collect();
+    let tids: Vec<&str> = judged.fired.iter().map(|&i| rows[i].common().tid).collect();
     let settle = scan.db(limits.db_bound * 2, async {
         let settled = store
-            .settle(&mut tx, R::KIND, deletes, &confirmed, &judged.failures)
+            .settle(
+                &mut tx,
+                R::KIND,
+                deletes,
+                &confirmed,
+                &tids,
+                &judged.failures,
+            )
             .await?;
         tx.commit().await?;
         Ok(settled)

@@ -59,6 +59,8 @@ pub(crate) struct Common<'a> {
     pub(crate) attempts: i32,
     pub(crate) exchange: &'a str,
     pub(crate) routing_key: &'a str,
+    /// Where the locked row lies: how the batch deletes it (empty: by its id).
+    pub(crate) tid: &'a str,
 }
 
 /// The columns both kinds' lock statements return by the same names.
@@ -73,6 +75,7 @@ macro_rules! common_columns {
                 attempts: self.attempts,
                 exchange: &self.exchange,
                 routing_key: &self.routing_key,
+                tid: &self.tid,
             }
         }
 

@@ -40,6 +40,8 @@ pub struct DelayedRow {
     pub fired_at: DateTime<Utc>,
     /// The end of the window of due times its batch locked.
     pub window_end: DateTime<Utc>,
+    /// Where the locked row lies in the table (`ctid`), empty if not read.
+    pub tid: String,
 }
 
 /// Read by position, in the order of [`lock_delayed_sql`]'s columns (see `store::column`).
@@ -61,6 +63,7 @@ impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for DelayedRow {
             due_at: column(row, 12, "due_at")?,
             fired_at: column(row, 13, "fired_at")?,
             window_end: column(row, 14, "window_end")?,
+            tid: super::tid(row, 15)?,
         })
     }
 }

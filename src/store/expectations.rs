@@ -38,6 +38,8 @@ pub struct DueRow {
     pub fired_at: DateTime<Utc>,
     /// The end of the window of due times its batch locked.
     pub window_end: DateTime<Utc>,
+    /// Where the locked row lies in the table (`ctid`), empty if not read.
+    pub tid: String,
 }
 
 /// Read by position, in the order of [`lock_due_sql`]'s columns (see [`column`]).
@@ -57,6 +59,7 @@ impl<'r> sqlx::FromRow<'r, PgRow> for DueRow {
             due_at: column(row, 10, "due_at")?,
             fired_at: column(row, 11, "fired_at")?,
             window_end: column(row, 12, "window_end")?,
+            tid: super::tid(row, 13)?,
         })
     }
 }

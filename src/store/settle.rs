@@ -105,6 +105,12 @@ pub(super) struct Writes {
     pub(super) shared_lock: Arc<str>,
     pub(super) shared_write: Arc<str>,
     delete: Arc<str>,
+    /// Rows the transaction holds locked, by where they lie ($1 their `ctid`s as text):
+    /// a TID scan goes straight to each row, where deleting by id looks every one up in
+    /// the primary key (500 rows: 0.3 ms against 2.3 ms of Postgres, see
+    /// docs/performance.md). A locked row stays where it was read until the transaction
+    /// ends: nobody else may update or delete it, and vacuum moves no live row.
+    delete_locked: Arc<str>,
     delete_fired: Arc<str>,
     fail: Arc<str>,
     park: Arc<str>,
@@ -163,6 +169,7 @@ impl Writes {
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = ANY($1)").into(),
+            delete_locked: format!("DELETE FROM {t} WHERE ctid = ANY($1::text[]::tid[])").into(),
             delete_fired: format!(
                 "DELETE FROM {t} AS m USING unnest($1::uuid[], $2::timestamptz[]) AS f(id, at) \
                  WHERE m.id = f.id AND {deadline} = f.at"
@@ -193,18 +200,21 @@ impl Store {
     /// parked (confirmed) or reported (failed). Only a broken connection is an error.
     /// With [`Deletes::Direct`] the confirmed rows are deleted by the transaction itself
     /// (nothing can refuse them; a statement that fails all the same, cancelled or timed
-    /// out, is an error like a broken connection), the failed ones charged as above.
+    /// out, is an error like a broken connection), by where they lie (`tids`, in the
+    /// order of `confirmed`, as the lock statement read them), the failed ones charged
+    /// as above.
     pub async fn settle(
         &self,
         tx: &mut PgConnection,
         kind: Kind,
         deletes: Deletes,
         confirmed: &[Uuid],
+        tids: &[&str],
         failures: &[Failure],
     ) -> Result<Settlement, StoreError> {
         let w = self.writes(kind);
         if deletes == Deletes::Direct {
-            delete(tx, w, confirmed).await?;
+            delete_locked(tx, w, confirmed, tids).await?;
             return charge_in_halves(tx, w, failures).await;
         }
         let both = attempt(tx, w, Write::Both(confirmed, failures)).await?;
@@ -356,6 +366,35 @@ async fn delete(tx: &mut PgConnection, w: &Writes, ids: &[Uuid]) -> Result<(), s
         sqlx::query(safe(&w.delete)).bind(ids).execute(tx).await?;
     }
     Ok(())
+}
+
+/// Delete rows this transaction locked, by where they lie ([`Writes::delete_locked`]).
+/// Should fewer go than were named (a `tid` missing, or not naming the version that was
+/// locked), the rest are deleted by id: a row is never left behind for a faster path.
+async fn delete_locked(
+    tx: &mut PgConnection,
+    w: &Writes,
+    ids: &[Uuid],
+    tids: &[&str],
+) -> Result<(), sqlx::Error> {
+    let named = tids.len() == ids.len() && tids.iter().all(|t| !t.is_empty());
+    if !ids.is_empty() && named {
+        let deleted = sqlx::query(safe(&w.delete_locked))
+            .bind(tids)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if usize::try_from(deleted).is_ok_and(|d| d == ids.len()) {
+            return Ok(());
+        }
+        tracing::debug!(
+            deleted,
+            named = ids.len(),
+            "rows not where they were locked: \
+            the rest deleted by id"
+        );
+    }
+    delete(tx, w, ids).await
 }
 
 /// attempts + 1 (saturating), last_error, retry_at = now + delay (or 'infinity').

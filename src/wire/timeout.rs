@@ -150,6 +150,7 @@ mod tests {
             due_at: at,
             fired_at: at,
             window_end: at,
+            tid: String::new(),
         };
         let m = timeout(&row, Uuid::nil()).expect("a TimeOut");
         let t = timeoutd_client::TimeOut::from_body(&m.body).expect("decodes");
@@ -224,6 +225,7 @@ mod tests {
                 due_at: at,
                 fired_at: at + chrono::Duration::nanoseconds(1_234_567),
                 window_end: at,
+                tid: String::new(),
             };
             let (body, reference) = (body(&row).expect("body"), reference_body(&row));
             proptest::prop_assert_eq!(

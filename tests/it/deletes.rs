@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use timeoutd::client::Expectation;
 use timeoutd::election::Role;
-use timeoutd::store::{Deletes, Kind, Store};
+use timeoutd::store::{Deletes, DueRow, Kind, Store, Window};
+use uuid::Uuid;
 
 use crate::common::{Inbox, PATIENCE, World, wait_for, wait_for_async};
 
@@ -222,5 +223,79 @@ async fn fired_rows_are_deleted_by_the_transaction_that_locked_them() {
         );
     }
     node.stop().await;
+    world.cleanup().await;
+}
+
+/// A batch deletes what it locked by where each row lies (its `ctid`, read by the lock
+/// statement): given ids that name nothing, the rows still go. Where a row is not where
+/// it was named, every row is deleted by its id instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locked_rows_are_deleted_where_they_lie_else_by_id() {
+    let world = World::new().await;
+    world.migrate().await;
+    let store = Store::connect(&world.settings().postgres).expect("store");
+    let due_at = Utc::now() - chrono::Duration::seconds(1);
+    for i in 0..6 {
+        world
+            .expect(&Expectation::new(&format!("p-{i}"), "Paid", "nowhere").due_at(due_at))
+            .await;
+    }
+    let window = Window {
+        horizon: Duration::ZERO,
+        fresh: None,
+        from: None,
+    };
+    let lock = async || {
+        let (mut tx, deletes) = store
+            .begin_batch(Kind::Expectation)
+            .await
+            .expect("begin batch");
+        assert_eq!(deletes, Deletes::Direct);
+        let rows: Vec<DueRow> = store
+            .lock_due(&mut tx, Kind::Expectation, 3, 64 * 1024, &[], window)
+            .await
+            .expect("lock");
+        assert_eq!(rows.len(), 3);
+        (tx, rows)
+    };
+
+    let (mut tx, rows) = lock().await;
+    let tids: Vec<&str> = rows.iter().map(|r| r.tid.as_str()).collect();
+    assert!(
+        tids.iter().all(|t| t.starts_with('(')),
+        "tids read: {tids:?}"
+    );
+    let nobody: Vec<Uuid> = rows.iter().map(|_| Uuid::new_v4()).collect();
+    store
+        .settle(
+            &mut tx,
+            Kind::Expectation,
+            Deletes::Direct,
+            &nobody,
+            &tids,
+            &[],
+        )
+        .await
+        .expect("settle");
+    tx.commit().await.expect("commit");
+    assert_eq!(world.count("true").await, 3, "deleted by where they lie");
+
+    let (mut tx, rows) = lock().await;
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+    let mut tids: Vec<&str> = rows.iter().map(|r| r.tid.as_str()).collect();
+    tids[1] = "(4294967294,1)";
+    store
+        .settle(
+            &mut tx,
+            Kind::Expectation,
+            Deletes::Direct,
+            &ids,
+            &tids,
+            &[],
+        )
+        .await
+        .expect("settle");
+    tx.commit().await.expect("commit");
+    assert_eq!(world.count("true").await, 0, "the rest deleted by id");
     world.cleanup().await;
 }
