@@ -58,6 +58,26 @@ pub struct Settings {
     pub shutdown: Shutdown,
     pub delay: Delay,
     pub console: Console,
+    pub runtime: Runtime,
+}
+
+/// The threads the daemon's tasks run on (the HTTP endpoints and the broker connection's
+/// I/O have threads of their own).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Runtime {
+    /// Worker threads of the async runtime; 0: one per core (or `TOKIO_WORKER_THREADS`).
+    /// One by default: the tasks hand work to each other and to the broker's I/O thread
+    /// all the time, and on the few cores a sidecar shares, a second worker mostly wakes
+    /// to steal a task from the first (docs/performance.md).
+    pub worker_threads: u32,
+}
+
+impl Runtime {
+    /// The number to give the runtime builder; `None`: its own default.
+    pub fn workers(&self) -> Option<usize> {
+        usize::try_from(self.worker_threads).ok().filter(|&n| n > 0)
+    }
 }
 
 /// The web console on `http.listen` under `/console` (docs/operating/console.md).
@@ -432,6 +452,7 @@ impl Settings {
         // over within member_ttl + tick, as with every node announcing.
         check_range("election.announcers", self.election.announcers, 2, 100)?;
         check_range("scan.batch_size", self.scan.batch_size, 1, 10_000)?;
+        check_range("runtime.worker_threads", self.runtime.worker_threads, 0, 64)?;
         check_range(
             "scan.concurrency",
             self.scan.concurrency,

@@ -8,17 +8,22 @@ fn main() -> ExitCode {
         .after_help(timeoutd::commands::exit_codes_help())
         .get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let settings = match timeoutd::commands::settings(&cli) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = settings.runtime.workers() {
+        builder.worker_threads(n);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
-    let code = runtime.block_on(timeoutd::commands::dispatch(cli));
+    let code = runtime.block_on(timeoutd::commands::dispatch(cli, settings));
     // Everything owed was done or given up inside `dispatch`; a blocking thread still at
     // work (a name lookup for a host that does not answer) must not hold up the exit, as
     // dropping the runtime would.

@@ -77,11 +77,14 @@ pub fn exit_codes_help() -> String {
         })
 }
 
-pub async fn dispatch(cli: Cli) -> ExitCode {
-    let settings = match Settings::load(cli.config.as_deref()) {
-        Ok(s) => s,
-        Err(e) => return config_error(&e),
-    };
+/// The settings a command runs with, loaded before the async runtime starts (they say
+/// how many threads it has); refused ones end the command with their exit code.
+pub fn settings(cli: &Cli) -> Result<Settings, ExitCode> {
+    Settings::load(cli.config.as_deref()).map_err(|e| config_error(&e))
+}
+
+/// Run the command `cli` names with `settings` (see [`settings`]).
+pub async fn dispatch(cli: Cli, settings: Settings) -> ExitCode {
     let daemon = matches!(cli.command, Command::Run);
     telemetry::init(settings.log.format, daemon);
     let result = match cli.command {

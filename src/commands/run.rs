@@ -26,6 +26,8 @@ struct Ready<'a> {
     /// The bound address: with `http.listen` on port 0, the port the system chose.
     http_addr: SocketAddr,
     version: &'static str,
+    /// The async runtime's worker threads, as it runs (`runtime.worker_threads`).
+    worker_threads: usize,
 }
 
 pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
@@ -43,6 +45,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<ExitCode> {
         group: &group,
         http_addr: handle.http_addr,
         version: env!("CARGO_PKG_VERSION"),
+        worker_threads: tokio::runtime::Handle::current().metrics().num_workers(),
     });
     let exit = handle.wait().await;
     signals.abort();

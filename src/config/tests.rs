@@ -88,6 +88,16 @@ fn defaults_match_the_contract() {
     // The stop promise: exit within a second of SIGTERM, whatever the peers do.
     assert_eq!(s.shutdown.grace, Duration::from_millis(500));
     assert_eq!(s.shutdown.timeout, Duration::from_secs(1));
+    assert_eq!(s.runtime.workers(), Some(1));
+}
+
+/// `0` leaves the number of worker threads to the runtime (one per core).
+#[test]
+fn zero_worker_threads_means_one_per_core() {
+    let s = load(&[("TIMEOUTD__RUNTIME__WORKER_THREADS", "0")]).expect("valid");
+    assert_eq!(s.runtime.workers(), None);
+    let s = load(&[("TIMEOUTD__RUNTIME__WORKER_THREADS", "4")]).expect("valid");
+    assert_eq!(s.runtime.workers(), Some(4));
 }
 
 /// A stop that waits for a batch as long as it may take (the bound before the stop was
@@ -378,6 +388,11 @@ fn invalid_values_are_refused_naming_the_key() {
         ),
         ("TIMEOUTD__SCAN__RETRY_MIN", "1h", "scan.retry_min"),
         ("TIMEOUTD__SCAN__BATCH_SIZE", "100000", "scan.batch_size"),
+        (
+            "TIMEOUTD__RUNTIME__WORKER_THREADS",
+            "65",
+            "runtime.worker_threads",
+        ),
         ("TIMEOUTD__BACKOFF__MIN", "1m", "backoff.min"),
         ("TIMEOUTD__SHUTDOWN__TIMEOUT", "0s", "shutdown.timeout"),
         ("TIMEOUTD__SHUTDOWN__TIMEOUT", "11m", "shutdown.timeout"),

@@ -82,7 +82,14 @@ async fn run_prints_one_ready_line_naming_the_node_and_its_http_address() {
         .collect();
     assert_eq!(
         fields,
-        BTreeSet::from(["ready", "node_id", "group", "http_addr", "version"]),
+        BTreeSet::from([
+            "ready",
+            "node_id",
+            "group",
+            "http_addr",
+            "version",
+            "worker_threads"
+        ]),
         "the documented fields (docs/operating/running.md): {ready}"
     );
     assert_eq!(ready["ready"], true, "{ready}");
@@ -1034,5 +1041,32 @@ async fn migrate_check_config_and_expect_print_one_json_document() {
     assert_eq!(v["timeout_at"], "2031-01-02T03:04:05+00:00");
     let id = v["id"].as_str().expect("id");
     assert_eq!(world.count(&format!("id = '{id}'")).await, 1);
+    world.cleanup().await;
+}
+
+/// The daemon's tasks run on `runtime.worker_threads` threads: one unless configured,
+/// one per core with `0`. The ready line says how many the runtime has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_runs_on_the_configured_worker_threads() {
+    let world = World::new().await;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    for (set, expected) in [(None, 1), (Some("3"), 3), (Some("0"), cores)] {
+        let extra: Vec<(String, String)> = set
+            .map(|n| ("TIMEOUTD__RUNTIME__WORKER_THREADS".to_owned(), n.to_owned()))
+            .into_iter()
+            .collect();
+        let mut daemon = Proc::spawn_with(&world, &extra).await;
+        assert_eq!(
+            daemon.ready["worker_threads"], expected,
+            "runtime.worker_threads = {set:?}: {}",
+            daemon.ready
+        );
+        daemon.signal("TERM");
+        let exit = tokio::time::timeout(exit_within(&world), daemon.child.wait())
+            .await
+            .expect("exits")
+            .expect("wait");
+        assert!(exit.success(), "{exit}");
+    }
     world.cleanup().await;
 }
