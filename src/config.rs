@@ -61,8 +61,8 @@ pub struct Settings {
     pub runtime: Runtime,
 }
 
-/// The threads the daemon's tasks run on (the HTTP endpoints and the broker connection's
-/// I/O have threads of their own).
+/// The threads the daemon's tasks run on, which also drive its timers and sockets (the
+/// HTTP endpoints and lapin's frame handling have threads of their own).
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Runtime {

@@ -35,7 +35,7 @@ pub use delayed::{
 pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
 pub use fence::session_name;
 use settle::Writes;
-pub use settle::{Deletes, Failure, Fired, Settlement};
+pub use settle::{Confirmed, Deletes, Failure, Fired, Settlement};
 pub(crate) use sqlstate::{Blame, blame_of};
 
 #[derive(Debug, thiserror::Error)]
@@ -797,13 +797,12 @@ where
     }
 }
 
-/// Where a locked row lies (`ctid`, as text), read at `index`: empty where the statement
-/// did not select it (the benchmark's hand-rolled loop reads rows with its own): such a
-/// row is deleted by its id.
-fn tid(row: &sqlx::postgres::PgRow, index: usize) -> Result<String, sqlx::Error> {
+/// Where a locked row lies (`ctid`, as text), read at `index`; `None` where the statement
+/// did not select it (the benchmark's hand-rolled loop reads rows with its own).
+fn tid(row: &sqlx::postgres::PgRow, index: usize) -> Result<Option<String>, sqlx::Error> {
     match column(row, index, "tid") {
         Err(sqlx::Error::ColumnNotFound(_) | sqlx::Error::ColumnIndexOutOfBounds { .. }) => {
-            Ok(String::new())
+            Ok(None)
         }
         read => read,
     }

@@ -78,7 +78,7 @@ proptest! {
             timeout_at, exchange: exchange.clone(), routing_key: routing_key.clone(), attempts, fired_at,
             due_at: timeout_at, window_end: fired_at,
             payload: payload.as_ref().map(|p| p.to_string()), payload_bytes: None,
-            traceparent: None, tid: String::new(),
+            traceparent: None, tid: None,
         };
         let too_long = [&process_id, &exchange, &routing_key].iter().any(|s| s.len() > 255);
         match timeout_message(&row, Uuid::nil()) {

@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use uuid::Uuid;
 
 use super::Scan;
 use super::clock::{self, DbClock};
@@ -35,7 +34,7 @@ use super::row::Row;
 use crate::backoff;
 use crate::bus::{Budget, Bus, BusError, Fate, PublishError, Published, ToPublish};
 use crate::election::Lease;
-use crate::store::{Failure, Fired, StoreError, Window};
+use crate::store::{Confirmed, Failure, Fired, StoreError, Window};
 
 /// Payloads up to this size come with the locked rows; larger ones are fetched one by
 /// one (see `large.rs`).
@@ -201,18 +200,20 @@ pub(super) async fn run<R: Row>(
     outcome.bus_trouble = judged.trouble;
     // From here on the batch commits: the broker may have confirmed TimeOuts.
     let settling = Instant::now();
-    let confirmed: Vec<Uuid> = judged.fired.iter().map(|&i| rows[i].common().id).collect();
-    let tids: Vec<&str> = judged.fired.iter().map(|&i| rows[i].common().tid).collect();
+    let confirmed: Vec<Confirmed> = judged
+        .fired
+        .iter()
+        .map(|&i| {
+            let row = rows[i].common();
+            Confirmed {
+                id: row.id,
+                tid: row.tid,
+            }
+        })
+        .collect();
     let settle = scan.db(limits.db_bound * 2, async {
         let settled = store
-            .settle(
-                &mut tx,
-                R::KIND,
-                deletes,
-                &confirmed,
-                &tids,
-                &judged.failures,
-            )
+            .settle(&mut tx, R::KIND, deletes, &confirmed, &judged.failures)
             .await?;
         tx.commit().await?;
         Ok(settled)

@@ -59,8 +59,8 @@ pub(crate) struct Common<'a> {
     pub(crate) attempts: i32,
     pub(crate) exchange: &'a str,
     pub(crate) routing_key: &'a str,
-    /// Where the locked row lies: how the batch deletes it (empty: by its id).
-    pub(crate) tid: &'a str,
+    /// Where the locked row lies: how the batch deletes it (`None`: by its id).
+    pub(crate) tid: Option<&'a str>,
 }
 
 /// The columns both kinds' lock statements return by the same names.
@@ -75,7 +75,7 @@ macro_rules! common_columns {
                 attempts: self.attempts,
                 exchange: &self.exchange,
                 routing_key: &self.routing_key,
-                tid: &self.tid,
+                tid: self.tid.as_deref(),
             }
         }
 

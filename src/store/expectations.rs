@@ -38,8 +38,8 @@ pub struct DueRow {
     pub fired_at: DateTime<Utc>,
     /// The end of the window of due times its batch locked.
     pub window_end: DateTime<Utc>,
-    /// Where the locked row lies in the table (`ctid`), empty if not read.
-    pub tid: String,
+    /// Where the locked row lies in the table (`ctid`), if read.
+    pub tid: Option<String>,
 }
 
 /// Read by position, in the order of [`lock_due_sql`]'s columns (see [`column`]).

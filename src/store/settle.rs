@@ -20,6 +20,14 @@ pub struct Failure {
     pub delay: Option<Duration>,
 }
 
+/// A row whose message was confirmed, to delete in the transaction that locked it: its id,
+/// and where the lock statement found it (`None`: not read; deleted by id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Confirmed<'a> {
+    pub id: Uuid,
+    pub tid: Option<&'a str>,
+}
+
 /// A row whose message was confirmed but whose batch did not commit: it is deleted
 /// later if it still has the deadline it was fired for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -105,12 +113,14 @@ pub(super) struct Writes {
     pub(super) shared_lock: Arc<str>,
     pub(super) shared_write: Arc<str>,
     delete: Arc<str>,
-    /// Rows the transaction holds locked, by where they lie ($1 their `ctid`s as text):
-    /// a TID scan goes straight to each row, where deleting by id looks every one up in
-    /// the primary key (a 500-row batch's lock, delete and commit: 1.7–2.5 ms against
-    /// 3.6–3.8 ms, docs/performance.md). A locked row stays where it was read until the
-    /// transaction ends: nobody else may update or delete it, and vacuum moves no live
-    /// row.
+    /// Rows the transaction holds locked, by where they lie ($1 their `ctid`s as text,
+    /// $2 their ids, pairwise): a TID scan goes straight to each row, where deleting by
+    /// id looks every one up in the primary key (a 500-row batch's lock, delete and
+    /// commit: 1.7–2.5 ms against 3.6–3.8 ms, docs/performance.md). A locked row stays
+    /// where it was read until the transaction ends: nobody else may update or delete
+    /// it, and vacuum moves no live row. Only the table itself (`ONLY`), and only a row
+    /// that is still the one named (its id): a table inheriting from it can appear
+    /// under the batch's lock, and its rows have places of their own.
     delete_locked: Arc<str>,
     delete_fired: Arc<str>,
     fail: Arc<str>,
@@ -170,7 +180,11 @@ impl Writes {
             )
             .into(),
             delete: format!("DELETE FROM {t} WHERE id = ANY($1)").into(),
-            delete_locked: format!("DELETE FROM {t} WHERE ctid = ANY($1::text[]::tid[])").into(),
+            delete_locked: format!(
+                "DELETE FROM ONLY {t} AS m USING unnest($1::text[]::tid[], $2::uuid[]) \
+                 AS f(tid, id) WHERE m.ctid = f.tid AND m.id = f.id"
+            )
+            .into(),
             delete_fired: format!(
                 "DELETE FROM {t} AS m USING unnest($1::uuid[], $2::timestamptz[]) AS f(id, at) \
                  WHERE m.id = f.id AND {deadline} = f.at"
@@ -201,23 +215,23 @@ impl Store {
     /// parked (confirmed) or reported (failed). Only a broken connection is an error.
     /// With [`Deletes::Direct`] the confirmed rows are deleted by the transaction itself
     /// (nothing can refuse them; a statement that fails all the same, cancelled or timed
-    /// out, is an error like a broken connection), by where they lie (`tids`, in the
-    /// order of `confirmed`, as the lock statement read them), the failed ones charged
-    /// as above.
+    /// out, is an error like a broken connection), by where the lock statement found
+    /// them, the failed ones charged as above.
     pub async fn settle(
         &self,
         tx: &mut PgConnection,
         kind: Kind,
         deletes: Deletes,
-        confirmed: &[Uuid],
-        tids: &[&str],
+        confirmed: &[Confirmed<'_>],
         failures: &[Failure],
     ) -> Result<Settlement, StoreError> {
         let w = self.writes(kind);
         if deletes == Deletes::Direct {
-            delete_locked(tx, w, confirmed, tids).await?;
+            delete_locked(tx, w, confirmed).await?;
             return charge_in_halves(tx, w, failures).await;
         }
+        let confirmed: Vec<Uuid> = confirmed.iter().map(|c| c.id).collect();
+        let confirmed = &confirmed[..];
         let both = attempt(tx, w, Write::Both(confirmed, failures)).await?;
         if both.is_ok() {
             return Ok(Settlement::default());
@@ -370,31 +384,32 @@ async fn delete(tx: &mut PgConnection, w: &Writes, ids: &[Uuid]) -> Result<(), s
 }
 
 /// Delete rows this transaction locked, by where they lie ([`Writes::delete_locked`]).
-/// Should fewer go than were named (a `tid` missing, or not naming the version that was
-/// locked), the rest are deleted by id: a row is never left behind for a faster path.
+/// Should fewer go than were named (a place not read, or not holding the row named),
+/// the rest are deleted by id: a row is never left behind for a faster path.
 async fn delete_locked(
     tx: &mut PgConnection,
     w: &Writes,
-    ids: &[Uuid],
-    tids: &[&str],
+    confirmed: &[Confirmed<'_>],
 ) -> Result<(), sqlx::Error> {
-    let named = tids.len() == ids.len() && tids.iter().all(|t| !t.is_empty());
-    if !ids.is_empty() && named {
+    let ids: Vec<Uuid> = confirmed.iter().map(|c| c.id).collect();
+    let tids: Option<Vec<&str>> = confirmed.iter().map(|c| c.tid).collect();
+    if let Some(tids) = tids.filter(|t| !t.is_empty()) {
         let deleted = sqlx::query(safe(&w.delete_locked))
-            .bind(tids)
+            .bind(&tids)
+            .bind(&ids)
             .execute(&mut *tx)
             .await?
             .rows_affected();
         if usize::try_from(deleted).is_ok_and(|d| d == ids.len()) {
             return Ok(());
         }
-        tracing::debug!(
+        tracing::warn!(
             deleted,
             named = ids.len(),
-            "rows not where they were locked: the rest deleted by id"
+            "confirmed rows not where they were locked: the rest deleted by id"
         );
     }
-    delete(tx, w, ids).await
+    delete(tx, w, &ids).await
 }
 
 /// attempts + 1 (saturating), last_error, retry_at = now + delay (or 'infinity').

@@ -150,7 +150,7 @@ mod tests {
             due_at: at,
             fired_at: at,
             window_end: at,
-            tid: String::new(),
+            tid: None,
         };
         let m = timeout(&row, Uuid::nil()).expect("a TimeOut");
         let t = timeoutd_client::TimeOut::from_body(&m.body).expect("decodes");
@@ -225,7 +225,7 @@ mod tests {
                 due_at: at,
                 fired_at: at + chrono::Duration::nanoseconds(1_234_567),
                 window_end: at,
-                tid: String::new(),
+                tid: None,
             };
             let (body, reference) = (body(&row).expect("body"), reference_body(&row));
             proptest::prop_assert_eq!(

@@ -1049,7 +1049,11 @@ async fn migrate_check_config_and_expect_print_one_json_document() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daemon_runs_on_the_configured_worker_threads() {
     let world = World::new().await;
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    // `0` leaves it to tokio: its own variable if set, else one per core.
+    let cores = std::env::var("TOKIO_WORKER_THREADS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
     for (set, expected) in [(None, 1), (Some("3"), 3), (Some("0"), cores)] {
         let extra: Vec<(String, String)> = set
             .map(|n| ("TIMEOUTD__RUNTIME__WORKER_THREADS".to_owned(), n.to_owned()))

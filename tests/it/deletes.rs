@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use timeoutd::client::Expectation;
 use timeoutd::election::Role;
-use timeoutd::store::{Deletes, DueRow, Kind, Store, Window};
+use timeoutd::store::{Confirmed, Deletes, DueRow, Kind, Store, Window};
 use uuid::Uuid;
 
 use crate::common::{Inbox, PATIENCE, World, wait_for, wait_for_async};
@@ -227,8 +227,9 @@ async fn fired_rows_are_deleted_by_the_transaction_that_locked_them() {
 }
 
 /// A batch deletes what it locked by where each row lies (its `ctid`, read by the lock
-/// statement): given ids that name nothing, the rows still go. Where a row is not where
-/// it was named, every row is deleted by its id instead.
+/// statement, together with its id), without a lookup in the primary key: the
+/// transaction's own count of index scans on the table does not move. Where a row is
+/// not where it was named, the rows are deleted by id instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locked_rows_are_deleted_where_they_lie_else_by_id() {
     let world = World::new().await;
@@ -245,6 +246,17 @@ async fn locked_rows_are_deleted_where_they_lie_else_by_id() {
         fresh: None,
         from: None,
     };
+    let scans = format!(
+        "SELECT idx_scan FROM pg_stat_xact_user_tables \
+         WHERE relid = '{}.expected_messages'::regclass",
+        world.schema
+    );
+    let index_scans = async |tx: &mut sqlx::PgConnection| -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(scans.clone()))
+            .fetch_one(tx)
+            .await
+            .expect("index scans")
+    };
     let lock = async || {
         let (mut tx, deletes) = store
             .begin_batch(Kind::Expectation)
@@ -258,43 +270,45 @@ async fn locked_rows_are_deleted_where_they_lie_else_by_id() {
         assert_eq!(rows.len(), 3);
         (tx, rows)
     };
+    let confirmed = |rows: &[DueRow]| -> Vec<(Uuid, String)> {
+        rows.iter()
+            .map(|r| {
+                (
+                    r.id,
+                    r.tid.clone().expect("the lock statement reads the tid"),
+                )
+            })
+            .collect()
+    };
+    let settle = async |tx: &mut sqlx::PgConnection, rows: &[(Uuid, String)]| {
+        let confirmed: Vec<Confirmed> = rows
+            .iter()
+            .map(|(id, tid)| Confirmed {
+                id: *id,
+                tid: Some(tid.as_str()),
+            })
+            .collect();
+        store
+            .settle(tx, Kind::Expectation, Deletes::Direct, &confirmed, &[])
+            .await
+            .expect("settle");
+    };
 
     let (mut tx, rows) = lock().await;
-    let tids: Vec<&str> = rows.iter().map(|r| r.tid.as_str()).collect();
-    assert!(
-        tids.iter().all(|t| t.starts_with('(')),
-        "tids read: {tids:?}"
+    let before = index_scans(&mut tx).await;
+    settle(&mut tx, &confirmed(&rows)).await;
+    assert_eq!(
+        index_scans(&mut tx).await,
+        before,
+        "deleted without an index lookup"
     );
-    let nobody: Vec<Uuid> = rows.iter().map(|_| Uuid::new_v4()).collect();
-    store
-        .settle(
-            &mut tx,
-            Kind::Expectation,
-            Deletes::Direct,
-            &nobody,
-            &tids,
-            &[],
-        )
-        .await
-        .expect("settle");
     tx.commit().await.expect("commit");
-    assert_eq!(world.count("true").await, 3, "deleted by where they lie");
+    assert_eq!(world.count("true").await, 3, "three rows deleted");
 
     let (mut tx, rows) = lock().await;
-    let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
-    let mut tids: Vec<&str> = rows.iter().map(|r| r.tid.as_str()).collect();
-    tids[1] = "(4294967294,1)";
-    store
-        .settle(
-            &mut tx,
-            Kind::Expectation,
-            Deletes::Direct,
-            &ids,
-            &tids,
-            &[],
-        )
-        .await
-        .expect("settle");
+    let mut named = confirmed(&rows);
+    named[1].1 = "(4294967294,1)".to_owned();
+    settle(&mut tx, &named).await;
     tx.commit().await.expect("commit");
     assert_eq!(world.count("true").await, 0, "the rest deleted by id");
     world.cleanup().await;

@@ -82,7 +82,7 @@ pub(crate) fn baseline_messages(
                 due_at: now,
                 fired_at: now,
                 window_end: now,
-                tid: String::new(),
+                tid: None,
             };
             let message = timeout_message(&row, node).map_err(|e| anyhow!("{e}"))?;
             Ok((row.id, message))

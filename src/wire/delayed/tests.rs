@@ -242,7 +242,7 @@ fn delivery_restores_the_message_and_says_how_long_it_was_held() {
         due_at: created_at,
         fired_at: created_at + chrono::Duration::milliseconds(1500),
         window_end: created_at,
-        tid: String::new(),
+        tid: None,
     };
     let node = Uuid::new_v4();
     let m = delivery(&row, node).expect("valid");
@@ -394,7 +394,7 @@ fn our_headers_are_removed_in_any_letter_case() {
         due_at: now(),
         fired_at: now(),
         window_end: now(),
-        tid: String::new(),
+        tid: None,
     };
     let m = delivery(&row, Uuid::nil()).expect("valid");
     let names: Vec<&str> = m
