@@ -115,12 +115,12 @@ pub(super) struct Writes {
     delete: Arc<str>,
     /// Rows the transaction holds locked, by where they lie ($1 their `ctid`s as text,
     /// $2 their ids, pairwise): a TID scan goes straight to each row, where deleting by
-    /// id looks every one up in the primary key (a 500-row batch's lock, delete and
-    /// commit: 1.7–2.5 ms against 3.6–3.8 ms, docs/performance.md). A locked row stays
-    /// where it was read until the transaction ends: nobody else may update or delete
-    /// it, and vacuum moves no live row. Only the table itself (`ONLY`), and only a row
-    /// that is still the one named (its id): a table inheriting from it can appear
-    /// under the batch's lock, and its rows have places of their own.
+    /// id looks every one up in the primary key (500 rows: 0.56 ms against 2.1 ms,
+    /// docs/performance.md). A locked row stays where it was read until the transaction
+    /// ends: nobody else may update or delete it, and vacuum moves no live row. Only the
+    /// table itself (`ONLY`), and only a row that is still the one named (its id): a
+    /// table inheriting from it can appear under the batch's lock, and its rows have
+    /// places of their own.
     delete_locked: Arc<str>,
     delete_fired: Arc<str>,
     fail: Arc<str>,
