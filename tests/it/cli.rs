@@ -105,11 +105,7 @@ async fn run_prints_one_ready_line_naming_the_node_and_its_http_address() {
     assert_eq!(status["node_id"], daemon.node_id.to_string().as_str());
     assert_eq!(status["group"], world.group.as_str(), "{status}");
 
-    daemon.signal("TERM");
-    let exit = tokio::time::timeout(exit_within(&world), daemon.child.wait())
-        .await
-        .expect("stops on SIGTERM")
-        .expect("wait");
+    let exit = daemon.terminate(&world).await;
     assert!(exit.success(), "{exit:?}");
     wait_for(PATIENCE, "stdout read to its end", || {
         daemon.stdout_closed()
@@ -1065,11 +1061,7 @@ async fn the_daemon_runs_on_the_configured_worker_threads() {
             "runtime.worker_threads = {set:?}: {}",
             daemon.ready
         );
-        daemon.signal("TERM");
-        let exit = tokio::time::timeout(exit_within(&world), daemon.child.wait())
-            .await
-            .expect("exits")
-            .expect("wait");
+        let exit = daemon.terminate(&world).await;
         assert!(exit.success(), "{exit}");
     }
     world.cleanup().await;

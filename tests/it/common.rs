@@ -601,6 +601,23 @@ impl Observer {
     pub fn first_after(&self, since: Instant, f: impl Fn(&Announcement) -> bool) -> Option<Seen> {
         self.all().into_iter().find(|s| s.at >= since && f(&s.a))
     }
+
+    /// Wait for the first announcement after `since` matching `f`. What a node published
+    /// before it exited may still be on its way to this observer when the exit is seen.
+    pub async fn await_first_after(
+        &self,
+        since: Instant,
+        what: &str,
+        f: impl Fn(&Announcement) -> bool,
+    ) -> Seen {
+        let mut seen = None;
+        wait_for(PATIENCE, what, || {
+            seen = self.first_after(since, &f);
+            seen.is_some()
+        })
+        .await;
+        seen.expect("waited for")
+    }
 }
 
 /// The most a test waits for something a healthy daemon does within a second or two: a
@@ -623,12 +640,11 @@ pub const STAMP_SLACK: Duration = Duration::from_secs(1);
 /// index.
 pub async fn lowest_active(observer: &Observer, procs: &[Proc], since: Instant) -> usize {
     let lowest = procs.iter().map(|p| p.node_id).min().expect("procs");
-    wait_for(PATIENCE, "lowest node active", || {
-        observer
-            .first_after(since, |a| a.active && a.node_id == lowest)
-            .is_some()
-    })
-    .await;
+    observer
+        .await_first_after(since, "lowest node active", |a| {
+            a.active && a.node_id == lowest
+        })
+        .await;
     procs
         .iter()
         .position(|p| p.node_id == lowest)
@@ -775,6 +791,15 @@ impl Proc {
             .expect("kill runs")
             .success();
         assert!(ok, "kill -{sig} failed");
+    }
+
+    /// SIGTERM, and its exit status once it exited, which it must within `exit_within`.
+    pub async fn terminate(&mut self, world: &World) -> std::process::ExitStatus {
+        self.signal("TERM");
+        tokio::time::timeout(exit_within(world), self.child.wait())
+            .await
+            .expect("exits on SIGTERM within the shutdown bound")
+            .expect("wait")
     }
 
     /// Whether stdout has been read to its end (the daemon closed it: it exited).

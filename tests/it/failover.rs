@@ -2,9 +2,7 @@ use std::time::{Duration, Instant};
 
 use timeoutd::client::Expectation;
 
-use crate::common::{
-    Inbox, Observer, PATIENCE, Proc, STAMP_SLACK, World, exit_within, lowest_active, wait_for,
-};
+use crate::common::{Inbox, Observer, PATIENCE, Proc, STAMP_SLACK, World, lowest_active, wait_for};
 
 /// kill -9 of the active daemon process: another takes over within member_ttl + tick of
 /// the last announcement it heard from the dead node, and fires what comes due
@@ -79,24 +77,21 @@ async fn graceful_stop_hands_over_within_a_tick() {
     let i = lowest_active(&observer, &procs, Instant::now() - Duration::from_secs(60)).await;
     let mut leaver = procs.remove(i);
     let asked = Instant::now();
-    leaver.signal("TERM");
-    let status = tokio::time::timeout(exit_within(&world), leaver.child.wait())
-        .await
-        .expect("exits within the shutdown bound")
-        .expect("wait");
+    let status = leaver.terminate(&world).await;
     assert!(status.success(), "exit status {status:?}");
     let leaving = observer
-        .first_after(asked, |a| a.leaving && a.node_id == leaver.node_id)
-        .expect("leaving announced");
-    let mut next = None;
-    wait_for(PATIENCE, "successor active", || {
-        next = observer.first_after(asked, |a| a.active && a.node_id == procs[0].node_id);
-        next.is_some()
-    })
-    .await;
+        .await_first_after(asked, "leaving announced", |a| {
+            a.leaving && a.node_id == leaver.node_id
+        })
+        .await;
+    let next = observer
+        .await_first_after(asked, "successor active", |a| {
+            a.active && a.node_id == procs[0].node_id
+        })
+        .await;
     // By the nodes' own stamps, from the `leaving` to the successor's claim: the
     // successor acts at its next tick after hearing it, not a member_ttl later.
-    let handover = (next.expect("successor").a.sent_at - leaving.a.sent_at)
+    let handover = (next.a.sent_at - leaving.a.sent_at)
         .to_std()
         .expect("claimed after the leaving");
     println!("graceful stop: successor active {handover:?} after the leaving announcement");

@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use timeoutd::client::{self, Expectation};
 
 use crate::common::{
-    Inbox, Observer, PATIENCE, Proc, STAMP_SLACK, World, amqp_addr, exit_within, pg_addr, wait_for,
+    Inbox, Observer, PATIENCE, Proc, STAMP_SLACK, World, amqp_addr, pg_addr, wait_for,
     wait_for_async,
 };
 use crate::proxy::{Mode, Proxy};
@@ -116,11 +116,7 @@ impl Scenario {
     /// one either received once and gone, or still there and never received. Returns
     /// (fired, remaining).
     async fn terminate(&self, node: &mut Proc, total: usize) -> (usize, usize) {
-        node.signal("TERM");
-        let status = tokio::time::timeout(exit_within(&self.world), node.child.wait())
-            .await
-            .expect("exits within the shutdown bound")
-            .expect("wait");
+        let status = node.terminate(&self.world).await;
         assert!(status.success(), "{status:?}");
         // Let in-flight deliveries land before counting: wait until the count stops moving.
         let mut seen = usize::MAX;
@@ -451,12 +447,11 @@ async fn sigterm_during_a_large_scan_loses_and_duplicates_nothing() {
     let mut node = Proc::spawn(&s.world).await;
     s.wait_firing(1000).await;
     let (fired, remaining) = s.terminate(&mut node, 20_000).await;
-    assert!(
-        s.observer
-            .first_after(observer_since, |a| a.leaving && a.node_id == node.node_id)
-            .is_some(),
-        "announced leaving"
-    );
+    s.observer
+        .await_first_after(observer_since, "announced leaving", |a| {
+            a.leaving && a.node_id == node.node_id
+        })
+        .await;
     println!(
         "fault=sigterm-burst rows=20000 fired={fired} remaining={remaining} duplicates=0 exit=0"
     );

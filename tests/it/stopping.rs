@@ -271,12 +271,11 @@ async fn sigterm_of_the_active_node_with_healthy_peers_leaves_and_exits_0() {
         .filter(|l| l.contains("\"level\":\"WARN\"") || l.contains("\"level\":\"ERROR\""))
         .collect();
     assert!(after.is_empty(), "a quiet stop: {after:#?}");
-    wait_for(Duration::from_secs(5), "the leaving announcement", || {
-        observer
-            .first_after(since, |a| a.leaving && a.node_id == id)
-            .is_some()
-    })
-    .await;
+    observer
+        .await_first_after(since, "the leaving announcement", |a| {
+            a.leaving && a.node_id == id
+        })
+        .await;
     drop(node);
     world.cleanup().await;
 }
