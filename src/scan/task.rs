@@ -115,6 +115,7 @@ struct InFlight {
 struct Running {
     planned: Planned,
     lock_told: bool,
+    started: Instant,
 }
 
 /// A batch locked its rows.
@@ -191,6 +192,7 @@ impl InFlight {
                 let running = Running {
                     planned,
                     lock_told: false,
+                    started: Instant::now(),
                 };
                 self.batch_of.push((task.id(), running));
             }
@@ -419,6 +421,7 @@ fn finished(
         planned: Planned {
             kind, lane, epoch, ..
         },
+        started,
         ..
     }) = take(&mut in_flight.batch_of, id)
     else {
@@ -452,6 +455,7 @@ fn finished(
                     last_due: outcome.last_due,
                     window_end: outcome.window_end,
                     epoch,
+                    took: now.saturating_duration_since(started),
                 },
             );
         }
