@@ -25,8 +25,7 @@
 //! Batches in flight never exceed `concurrency`; the backlog of all kinds together takes
 //! at most `concurrency - fresh_slots` of them, so rows coming due now are not late by
 //! the whole drain (with `fresh_slots = 0` the on-time lane waits for the backlog:
-//! strictly oldest first). The fresh slots are lent to the backlog while the on-time
-//! lane is idle and expects nothing soon (see [`Pacer::lent`]). Backlog slots go to the kinds in turn, so one kind's backlog
+//! strictly oldest first). Backlog slots go to the kinds in turn, so one kind's backlog
 //! never starves another's. A kind is probed every `probe_interval` besides, in case a
 //! notification was lost, and every `tick` while none can arrive (no LISTEN connection).
 
@@ -127,8 +126,6 @@ pub(crate) struct Finished {
     pub(crate) window_end: Option<DateTime<Utc>>,
     /// [`Pacer::epoch`] of its kind when it started.
     pub(crate) epoch: u64,
-    /// How long it ran, from its start to its end.
-    pub(crate) took: Duration,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -179,9 +176,6 @@ pub(crate) struct Pacer {
     turn: usize,
     /// Notifications arrive (the LISTEN connection is up): probes are a safety net.
     listening: bool,
-    /// How long the last backlog batch ran: what lending it a fresh slot may keep that
-    /// slot from the on-time lane (see [`Pacer::lent`]).
-    backlog_took: Option<Duration>,
 }
 
 impl Pacer {
@@ -198,7 +192,6 @@ impl Pacer {
             clock: None,
             turn: 0,
             listening: false,
-            backlog_took: None,
         }
     }
 
@@ -403,7 +396,7 @@ impl Pacer {
             starts.push((kind, Lane::OnTime));
             self.look_past_window(kind, now);
         }
-        let cap = self.config.concurrency - self.config.fresh_slots + self.lent(now);
+        let cap = self.config.concurrency - self.config.fresh_slots;
         while free > 0 && self.backlog_running() < cap {
             let Some(kind) = self.next_backlog() else {
                 break;
@@ -446,23 +439,6 @@ impl Pacer {
         let k = &mut self.kinds[kind];
         k.covered = k.covered.max(Some(clock.db_at(now) + horizon));
         k.probe_at = Some(now);
-    }
-
-    /// The fresh slots the backlog may have now: every one while no on-time batch runs
-    /// and none is to start before a backlog batch started now is expected back (twice
-    /// the last one's time); none before a backlog batch has ended. An idle reserved
-    /// slot is otherwise a quarter of a burst's drain lost (`concurrency` 4). A row
-    /// nobody saw coming (written already due) then waits for the first batch in flight
-    /// to end: late by at most one batch, not by the whole drain.
-    fn lent(&self, now: Instant) -> usize {
-        let Some(took) = self.backlog_took else {
-            return 0;
-        };
-        let back = now + took.saturating_mul(2);
-        let quiet = self.kinds.iter().all(|k| {
-            k.on_time_running == 0 && !k.on_time_more && k.on_time_at.is_none_or(|at| at > back)
-        });
-        if quiet { self.config.fresh_slots } else { 0 }
     }
 
     /// Slots left over go to windows known to hold more than one batch, kind by kind.
@@ -512,9 +488,6 @@ impl Pacer {
             self.clock = Some(clock);
         }
         let tick = self.config.tick;
-        if lane == Lane::Backlog {
-            self.backlog_took = Some(f.took);
-        }
         let k = &mut self.kinds[kind];
         match lane {
             Lane::OnTime => {

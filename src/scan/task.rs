@@ -115,7 +115,6 @@ struct InFlight {
 struct Running {
     planned: Planned,
     lock_told: bool,
-    started: Instant,
 }
 
 /// A batch locked its rows.
@@ -192,7 +191,6 @@ impl InFlight {
                 let running = Running {
                     planned,
                     lock_told: false,
-                    started: Instant::now(),
                 };
                 self.batch_of.push((task.id(), running));
             }
@@ -421,7 +419,6 @@ fn finished(
         planned: Planned {
             kind, lane, epoch, ..
         },
-        started,
         ..
     }) = take(&mut in_flight.batch_of, id)
     else {
@@ -455,7 +452,6 @@ fn finished(
                     last_due: outcome.last_due,
                     window_end: outcome.window_end,
                     epoch,
-                    took: now.saturating_duration_since(started),
                 },
             );
         }

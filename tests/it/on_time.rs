@@ -203,9 +203,8 @@ fn check(
 
 /// 40,000 rows overdue by up to an hour (the database was away), then 60 rows coming due
 /// while they drain and 20 written already due: with the default `scan.fresh_slots` the
-/// fresh rows keep their time instead of waiting for the whole backlog (the rows nobody
-/// saw coming wait at most for a batch in flight, if the fresh slot was lent); every row
-/// arrives exactly once.
+/// fresh rows, foreseen or not, keep their time instead of waiting for the whole backlog;
+/// every row arrives exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fresh_rows_keep_their_time_while_a_backlog_drains() {
     let world = World::new().await;

@@ -55,7 +55,6 @@ fn short(clock: DbClock, locked: usize, window_end: DateTime<Utc>) -> Finished {
         last_due: None,
         window_end: Some(window_end),
         epoch: 0,
-        took: Duration::ZERO,
     }
 }
 
@@ -363,65 +362,12 @@ fn a_backlog_drains_beside_the_on_time_lane_within_its_share() {
     assert_eq!((w.horizon, w.fresh), (Duration::ZERO, None));
 }
 
-fn took(t: Duration) -> Finished {
-    Finished {
-        took: t,
-        ..backlog_done(500, true, 0, t0().1)
-    }
-}
-
 #[test]
-fn idle_fresh_slots_are_lent_to_the_backlog_once_a_batch_showed_how_long_one_takes() {
+fn the_backlog_never_takes_the_fresh_slots_even_when_they_are_idle() {
     let (now, _) = t0();
     let mut p = Pacer::new(config(4, 2), &[E], now);
     p.probed(E, now, probe(Some(-3600.0), None));
     assert_eq!(p.starts(now), vec![(E, Lane::Backlog), (E, Lane::Backlog)]);
-    assert!(
-        p.starts(now).is_empty(),
-        "nothing lent before a batch ended"
-    );
-    p.finished(E, Lane::Backlog, now, took(80 * MS));
-    assert_eq!(
-        p.starts(now),
-        vec![(E, Lane::Backlog), (E, Lane::Backlog), (E, Lane::Backlog)]
-    );
-    assert_eq!(p.running(), 4);
-}
-
-#[test]
-fn a_fresh_slot_is_not_lent_when_an_on_time_batch_starts_before_a_backlog_batch_is_back() {
-    let (now, _) = t0();
-    let mut p = Pacer::new(config(4, 1), &[E], now);
-    // A backlog, and a row due in 150 ms: its batch starts at 125 ms.
-    p.probed(E, now, probe(Some(-3600.0), Some(0.150)));
-    assert_eq!(p.starts(now).len(), 3);
-    // Back in twice 80 ms: after the on-time start.
-    p.finished(E, Lane::Backlog, now, took(80 * MS));
-    assert_eq!(p.starts(now), vec![(E, Lane::Backlog)]);
-    // Back in twice 50 ms: before it.
-    p.finished(E, Lane::Backlog, now, took(50 * MS));
-    assert_eq!(p.starts(now), vec![(E, Lane::Backlog), (E, Lane::Backlog)]);
-    assert_eq!(p.running(), 4);
-    // The on-time start waits for the first slot freed, and takes it before the backlog.
-    let start = now + 125 * MS;
-    assert!(p.starts(start).is_empty());
-    p.finished(E, Lane::Backlog, start, took(50 * MS));
-    assert_eq!(p.starts(start), vec![(E, Lane::OnTime)]);
-    // While it runs, nothing is lent.
-    p.finished(E, Lane::Backlog, start, took(50 * MS));
-    assert_eq!(p.starts(start), vec![(E, Lane::Backlog)]);
-    assert!(p.starts(start).is_empty());
-}
-
-#[test]
-fn a_fresh_slot_is_not_lent_while_an_on_time_batch_runs() {
-    let (now, _) = t0();
-    let mut p = Pacer::new(config(4, 1), &[E], now);
-    p.probed(E, now, probe(Some(-3600.0), Some(0.0)));
-    assert_eq!(p.starts(now).len(), 4);
-    p.finished(E, Lane::Backlog, now, took(MS));
-    p.finished(E, Lane::Backlog, now, took(MS));
-    assert_eq!(p.starts(now).len(), 2, "the backlog's own slots");
     assert!(p.starts(now).is_empty());
 }
 
@@ -439,7 +385,6 @@ fn strictly_oldest_first_holds_fresh_rows_back_while_a_backlog_drains() {
         last_due: None,
         window_end: None,
         epoch: 0,
-        took: Duration::ZERO,
     };
     p.finished(E, Lane::Backlog, now + MS, done);
     p.finished(E, Lane::Backlog, now + MS, done);
@@ -463,14 +408,9 @@ fn backlog_slots_go_to_the_kinds_in_turn() {
         last_due: None,
         window_end: None,
         epoch: 0,
-        took: Duration::ZERO,
     };
     p.finished(E, Lane::Backlog, now + MS, full);
-    // The fresh slot, idle, is lent too.
-    assert_eq!(
-        p.starts(now + MS),
-        vec![(D, Lane::Backlog), (E, Lane::Backlog)]
-    );
+    assert_eq!(p.starts(now + MS), vec![(D, Lane::Backlog)]);
 }
 
 #[test]
@@ -487,7 +427,6 @@ fn a_backlog_batch_that_locks_nothing_waits_a_tick_instead_of_spinning() {
         last_due: None,
         window_end: None,
         epoch: 0,
-        took: Duration::ZERO,
     };
     p.finished(E, Lane::Backlog, now + MS, nothing);
     assert!(probes(&mut p, now + MS).is_empty());
@@ -574,7 +513,6 @@ fn backlog_done(locked: usize, full: bool, untouched: usize, last: DateTime<Utc>
         last_due: Some(last),
         window_end: None,
         epoch: 0,
-        took: Duration::ZERO,
     }
 }
 
@@ -687,7 +625,7 @@ fn a_sweep_looks_from_the_start_every_backlog_rescan() {
     assert_eq!(p.window(E, Lane::Backlog).from, Some(db(at, -9000)));
     assert_eq!(
         p.starts(later),
-        vec![(E, Lane::Backlog), (E, Lane::Backlog), (E, Lane::Backlog)]
+        vec![(E, Lane::Backlog), (E, Lane::Backlog)]
     );
     // One sweep per interval.
     p.finished(
@@ -768,8 +706,8 @@ fn a_backlog_batch_begun_before_a_row_was_written_overdue_does_not_end_the_backl
     }
     assert_eq!(
         p.starts(now),
-        vec![(E, Lane::Backlog), (E, Lane::Backlog), (E, Lane::Backlog)],
-        "the backlog goes on (in the idle fresh slot too)"
+        vec![(E, Lane::Backlog), (E, Lane::Backlog)],
+        "the backlog goes on"
     );
     // A batch begun after it ends it.
     let current = Finished {
@@ -966,8 +904,8 @@ fn a_short_lock_ends_the_backlog_and_a_failed_or_stale_one_moves_nothing() {
 }
 
 proptest! {
-    /// Whatever happens, batches in flight never exceed `concurrency`, the backlog takes
-    /// a fresh slot only while no on-time batch runs, at most one backlog batch per kind is locking at a time,
+    /// Whatever happens, batches in flight never exceed `concurrency`, the backlog never
+    /// takes the fresh slots, at most one backlog batch per kind is locking at a time,
     /// and the pacer never asks to wake in the past.
     #[test]
     fn slots_are_never_exceeded_and_backlog_locks_never_overlap(
@@ -1014,18 +952,11 @@ proptest! {
                     p.locked(*k, *lane, now, Some(rows));
                 }
             }
-            let starts = p.starts_one(now);
-            let backlog_started = starts.iter().any(|(_, l)| *l != Lane::OnTime);
-            running.extend(starts.into_iter().map(|(k, l)| (k, l, l == Lane::OnTime)));
+            running.extend(p.starts_one(now).into_iter().map(|(k, l)| (k, l, l == Lane::OnTime)));
             prop_assert_eq!(p.running(), running.len());
             prop_assert!(running.len() <= concurrency);
             let backlog = running.iter().filter(|(_, l, _)| *l != Lane::OnTime).count();
-            if backlog_started && backlog > concurrency - fresh_slots {
-                prop_assert!(
-                    running.iter().all(|(_, l, _)| *l != Lane::OnTime),
-                    "a fresh slot lent while an on-time batch runs"
-                );
-            }
+            prop_assert!(backlog <= concurrency - fresh_slots);
             prop_assert!(p.wake_at(now) > now);
             for kind in [E, D] {
                 let locking = running.iter().filter(|(k, l, did)| *k == kind && *l == Lane::Backlog && !did).count();
