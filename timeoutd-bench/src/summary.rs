@@ -158,6 +158,27 @@ fn measurements(r: &Report) -> Vec<Measurement> {
             r.burst.cpu.busy_cores(),
             None,
         ),
+        // The burst against the loop in two factors: its rate's ratio is the first over
+        // the second (each phase's rate is its busy cores over its CPU per TimeOut).
+        (
+            "burst / hand-rolled firing: cores busy".into(),
+            "%",
+            100.0 * r.burst.cpu.busy_cores() / r.hand.cpu.busy_cores(),
+            None,
+        ),
+        (
+            "burst / hand-rolled firing: CPU per TimeOut, every process".into(),
+            "%",
+            100.0 * r.burst.cpu.per_message_us(r.burst.rows)
+                / r.hand.cpu.per_message_us(r.hand.rows),
+            None,
+        ),
+        (
+            "burst: batches in flight, on average".into(),
+            "batches",
+            r.burst.busy_fraction,
+            None,
+        ),
     ];
     for s in &r.steady {
         let name = |what: &str| format!("steady {}/s: {what}", s.rate);
