@@ -116,12 +116,11 @@ async fn passive_nodes_hold_one_connection_and_take_over() {
     let dead = procs.remove(i);
     let killed_at = Instant::now();
     dead.signal("KILL");
-    wait_for(PATIENCE, "another node active", || {
-        observer
-            .first_after(killed_at, |a| a.active && a.node_id != dead.node_id)
-            .is_some()
-    })
-    .await;
+    observer
+        .await_first_after(killed_at, "another node active", |a| {
+            a.active && a.node_id != dead.node_id
+        })
+        .await;
     for n in 0..20 {
         let e = Expectation::new(&format!("after-kill-{n}"), "Reply", &inbox.queue)
             .due_in(Duration::from_millis(300));

@@ -18,13 +18,11 @@ async fn killed_active_node_is_replaced_and_later_rows_fire() {
     let dead = procs.remove(i);
     let killed_at = Instant::now();
     dead.signal("KILL");
-    let mut took_over = None;
-    wait_for(PATIENCE, "another node active", || {
-        took_over = observer.first_after(killed_at, |a| a.active && a.node_id != dead.node_id);
-        took_over.is_some()
-    })
-    .await;
-    let took_over = took_over.expect("takeover");
+    let took_over = observer
+        .await_first_after(killed_at, "another node active", |a| {
+            a.active && a.node_id != dead.node_id
+        })
+        .await;
     // Measured by the nodes' own stamps, from the dead node's last announcement to the
     // successor's claim: neither the broker's delivery to this test nor its polling
     // counts. Contract: member_ttl + one tick.

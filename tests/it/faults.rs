@@ -275,12 +275,11 @@ async fn sigstop_and_sigcont_of_the_active_node() {
     let since = Instant::now();
     procs[i].signal("STOP");
     let other = procs[1 - i].node_id;
-    wait_for(PATIENCE, "the other node takes over", || {
-        s.observer
-            .first_after(since, |a| a.active && a.node_id == other)
-            .is_some()
-    })
-    .await;
+    s.observer
+        .await_first_after(since, "the other node takes over", |a| {
+            a.active && a.node_id == other
+        })
+        .await;
     // Keep it stopped for longer than member_ttl, so that its view is really stale.
     while since.elapsed() < Duration::from_millis(3500) {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -646,10 +645,9 @@ async fn postgres_down_for_everyone_nobody_flaps() {
     })
     .await;
     let back = Instant::now();
-    wait_for(PATIENCE, "one active again", || {
-        s.observer.first_after(back, |a| a.active).is_some()
-    })
-    .await;
+    s.observer
+        .await_first_after(back, "one active again", |a| a.active)
+        .await;
     println!("fault=pg-down-all: both withdrew, 0 active claims while down, both rejoined");
     // The outage itself is a gap by design: measure from the recovery.
     let mut s = s;
@@ -680,26 +678,21 @@ async fn a_lagging_lowest_node_is_passed_over_at_once() {
     s.wait_firing(50).await;
     let since = Instant::now();
     proxies[i].set(Mode::Delay(Duration::from_secs(2)));
-    let mut withdrawn = None;
-    wait_for(PATIENCE, "the lagging node withdraws", || {
-        withdrawn = s
-            .observer
-            .first_after(since, |a| a.withdrawn && a.node_id == victim);
-        withdrawn.is_some()
-    })
-    .await;
-    let withdrawn = withdrawn.expect("withdrawn");
-    let mut took = None;
-    wait_for(PATIENCE, "the next node takes over", || {
-        took = s
-            .observer
-            .first_after(since, |a| a.active && a.node_id == other);
-        took.is_some()
-    })
-    .await;
+    let withdrawn = s
+        .observer
+        .await_first_after(since, "the lagging node withdraws", |a| {
+            a.withdrawn && a.node_id == victim
+        })
+        .await;
+    let took = s
+        .observer
+        .await_first_after(since, "the next node takes over", |a| {
+            a.active && a.node_id == other
+        })
+        .await;
     // By the nodes' own stamps: how late either announcement reached this test does
     // not count.
-    let no_candidate = (took.expect("took over").a.sent_at - withdrawn.a.sent_at)
+    let no_candidate = (took.a.sent_at - withdrawn.a.sent_at)
         .to_std()
         .unwrap_or_default();
     let withdrawn = withdrawn.at;
