@@ -193,12 +193,14 @@ impl Kind {
     /// tell the scan how long to hold the row. The end of the window the statement
     /// locked (every row due until then was taken, or held by another batch). And where
     /// the locked version of the row lies (its `ctid`), which the batch deletes it by
-    /// (see [`Writes`](settle::Writes)).
-    fn due_columns(self) -> String {
+    /// (see [`Writes`](settle::Writes)), for a row of `table` itself only: a table
+    /// inheriting from it can appear under the batch's lock, its rows at places of their
+    /// own (NULL: the batch deletes by id).
+    fn due_columns(self, table: &str) -> String {
         format!(
             "least(greatest({}, '0001-01-01T00:00:00Z'), '9999-12-31T23:59:59Z') AS due_at, \
              clock_timestamp() AS fired_at, now() + make_interval(secs => $4) AS window_end, \
-             m.ctid::text AS tid",
+             CASE WHEN m.tableoid = '{table}'::regclass THEN m.ctid::text END AS tid",
             self.due_at()
         )
     }

@@ -256,7 +256,7 @@ pub fn lock_delayed_sql(table: &str) -> String {
         Kind::Delayed.deadline(),
         Kind::Delayed.window(),
         Kind::Delayed.due_at(),
-        Kind::Delayed.due_columns(),
+        Kind::Delayed.due_columns(table),
     );
     format!(
         "SELECT m.id, m.owner, m.message_id, {deadline} AS deliver_at, m.exchange, \

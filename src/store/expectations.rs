@@ -146,7 +146,7 @@ pub fn lock_due_sql(table: &str) -> String {
         Kind::Expectation.deadline(),
         Kind::Expectation.window(),
         Kind::Expectation.due_at(),
-        Kind::Expectation.due_columns(),
+        Kind::Expectation.due_columns(table),
     );
     let inline =
         "pg_column_compression(m.payload) IS NULL AND pg_column_size(m.payload)::int8 * 6 <= $2";

@@ -227,7 +227,7 @@ async fn fired_rows_are_deleted_by_the_transaction_that_locked_them() {
 }
 
 /// A batch deletes what it locked by where each row lies (its `ctid`, read by the lock
-/// statement, together with its id), without a lookup in the primary key: the
+/// statement), without a lookup in the primary key: the
 /// transaction's own count of index scans on the table does not move. Where a row is
 /// not where it was named, the rows are deleted by id instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -311,5 +311,97 @@ async fn locked_rows_are_deleted_where_they_lie_else_by_id() {
     settle(&mut tx, &named).await;
     tx.commit().await.expect("commit");
     assert_eq!(world.count("true").await, 0, "the rest deleted by id");
+    world.cleanup().await;
+}
+
+/// A table inheriting from the expectations can appear under a batch's lock (creating it
+/// does not wait for the batch), and its rows lie at places of their own, the same
+/// places as rows of the table itself. A batch deleting by place would then delete the
+/// parent's row that lies where the child's does: the lock statement reads a place only
+/// for a row of the table itself, and the rest of the batch goes by id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_of_a_table_that_inherits_is_not_deleted_by_place() {
+    let world = World::new().await;
+    world.migrate().await;
+    let store = Store::connect(&world.settings().postgres).expect("store");
+    let (s, due_at) = (&world.schema, Utc::now() - chrono::Duration::seconds(1));
+    let t = format!("{s}.expected_messages");
+    for i in 0..3 {
+        world
+            .expect(&Expectation::new(&format!("p-{i}"), "Paid", "nowhere").due_at(due_at))
+            .await;
+    }
+    let (mut tx, deletes) = store
+        .begin_batch(Kind::Expectation)
+        .await
+        .expect("begin batch");
+    assert_eq!(deletes, Deletes::Direct, "no child table yet");
+    world
+        .exec(&format!("CREATE TABLE {s}.child () INHERITS ({t})"))
+        .await;
+    world
+        .exec(&format!(
+            "INSERT INTO {s}.child SELECT * FROM ONLY {t} ORDER BY ctid LIMIT 1"
+        ))
+        .await;
+    world
+        .exec(&format!("UPDATE {s}.child SET id = gen_random_uuid()"))
+        .await;
+    let child_id: Uuid =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT id FROM {s}.child")))
+            .fetch_one(&world.pool)
+            .await
+            .expect("child row");
+    let window = Window {
+        horizon: Duration::ZERO,
+        fresh: None,
+        from: None,
+    };
+    let rows: Vec<DueRow> = store
+        .lock_due(&mut tx, Kind::Expectation, 10, 64 * 1024, &[], window)
+        .await
+        .expect("lock");
+    assert_eq!(rows.len(), 4, "the child's row is due too");
+    let child = rows
+        .iter()
+        .find(|r| r.id == child_id)
+        .expect("child locked");
+    assert_eq!(child.tid, None, "no place read for the child's row");
+    let place: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT ctid::text FROM {s}.child"
+    )))
+    .fetch_one(&world.pool)
+    .await
+    .expect("child's place");
+    assert!(
+        rows.iter()
+            .any(|r| r.tid.as_deref() == Some(place.as_str())),
+        "a row of the table itself lies at the child's place {place}"
+    );
+    let confirmed = [Confirmed {
+        id: child_id,
+        tid: child.tid.as_deref(),
+    }];
+    store
+        .settle(&mut tx, Kind::Expectation, Deletes::Direct, &confirmed, &[])
+        .await
+        .expect("settle");
+    tx.commit().await.expect("commit");
+    let left = async |sql: String| -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .fetch_one(&world.pool)
+            .await
+            .expect("count")
+    };
+    assert_eq!(
+        left(format!("SELECT count(*) FROM {s}.child")).await,
+        0,
+        "the child's row deleted"
+    );
+    assert_eq!(
+        left(format!("SELECT count(*) FROM ONLY {t}")).await,
+        3,
+        "no row of the table itself deleted"
+    );
     world.cleanup().await;
 }
