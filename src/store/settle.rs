@@ -21,7 +21,9 @@ pub struct Failure {
 }
 
 /// A row whose message was confirmed, to delete in the transaction that locked it: its id,
-/// and where the lock statement found it (`None`: not read; deleted by id).
+/// and where the lock statement found it (`None`: not read; deleted by id). The place is
+/// trusted as it is: whatever row lies there is deleted, so it must be the `tid` that
+/// this transaction's own [`Store::lock_due`] returned for this row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Confirmed<'a> {
     pub id: Uuid,
@@ -380,8 +382,8 @@ async fn delete(tx: &mut PgConnection, w: &Writes, ids: &[Uuid]) -> Result<(), s
 }
 
 /// Delete rows this transaction locked, by where they lie ([`Writes::delete_locked`]).
-/// Should fewer go than were named (a place not read, or not holding the row named),
-/// the rest are deleted by id: a row is never left behind for a faster path.
+/// Should fewer go than were named (a place not read, or holding no row), the rest are
+/// deleted by id: a row is never left behind for a faster path.
 async fn delete_locked(
     tx: &mut PgConnection,
     w: &Writes,

@@ -227,9 +227,9 @@ async fn fired_rows_are_deleted_by_the_transaction_that_locked_them() {
 }
 
 /// A batch deletes what it locked by where each row lies (its `ctid`, read by the lock
-/// statement), without a lookup in the primary key: the
-/// transaction's own count of index scans on the table does not move. Where a row is
-/// not where it was named, the rows are deleted by id instead.
+/// statement), without a lookup in the primary key: the transaction's own count of index
+/// scans on the table does not move. Where a place holds no row, the rows are deleted
+/// by id instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locked_rows_are_deleted_where_they_lie_else_by_id() {
     let world = World::new().await;
