@@ -4,10 +4,10 @@ use clap::{CommandFactory, FromArgMatches};
 use timeoutd::cli::Cli;
 
 /// jemalloc, not the system's allocator: lapin's I/O thread frees what the runtime's
-/// worker allocated for every publish, and glibc takes the worker's arena lock for each
-/// such free, waking the other thread when they meet. jemalloc batches those frees; the
-/// daemon spends about a fifth less CPU per TimeOut (docs/performance.md, "The
-/// allocator").
+/// worker allocated for every publish, and glibc, once the freeing thread's small cache
+/// is full, takes the worker's arena lock for each such free, waking the other thread
+/// when they meet. jemalloc batches those frees; the daemon spends about a fifth less
+/// CPU per TimeOut (docs/performance.md, "The allocator").
 #[cfg(not(target_env = "msvc"))]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
