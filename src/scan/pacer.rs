@@ -11,16 +11,35 @@
 //!   a batch at once: the one holding the window skipped it. A window that holds more
 //!   than a batch (a burst due at once) is taken in parts side by side, by every slot
 //!   the backlog leaves free.
-//! - **backlog**: rows overdue by more than `fresh` (after an outage, or a burst larger
-//!   than the on-time lane epoch in time), locked oldest first, batch after batch while
-//!   batches come back full.
+//! - **backlog**: rows overdue by more than `fresh` (after an outage, a burst larger
+//!   than the on-time lane drains while it is fresh, a row written late), locked oldest
+//!   first, batch after batch while batches come back full.
+//!
+//! **Work-conserving**: whenever a row is due by the database's clock and not held,
+//! failing or parked, a batch of its kind is in flight or starts within one tick (plus
+//! a probe's round trip when no notification tells of the row), whatever order rows
+//! were written in and whatever their due times; only a batch the database failed
+//! waits out its backoff, and only a full set of slots makes a kind wait for a slot.
+//! No other timer stands between a due row and its batch. `sim.rs` beside this file
+//! checks this, with the promises below, over randomized schedules.
 //!
 //! Deleted rows stay in the due index until vacuum, and a scan from its start walks all
 //! of them. So each kind remembers where the scan stands (every row due before it was
 //! sent or is held), learnt from probes and finished backlog batches; probes and
-//! backlog batches look from there. A *sweep* every [`BACKLOG_RESCAN`] looks from the
-//! start for rows written behind it; a batch that fails or leaves rows unsent makes the
-//! scan forget where it stood.
+//! backlog batches look from there. What keeps that true:
+//! - every notified due time behind where the scan stands moves it back to that row,
+//!   whatever the row's age (a transaction that took its `now()` before a probe found
+//!   the table empty, a burst that outgrows the on-time lane while fresh);
+//! - no batch or probe moves it past a row notified after it began (its statement may
+//!   not have seen the row): each carries the kind's stamp, and the stamped due times
+//!   bound what it may teach;
+//! - while no notification can arrive, every probe looks from the start of the index
+//!   and for the first fresh row, held or not;
+//! - a batch that fails or leaves rows unsent makes the scan forget where it stood.
+//!
+//! A *sweep* every [`BACKLOG_RESCAN`] looks from the start besides: it finds only rows
+//! written without a notification (the trigger disabled, e.g. by
+//! `session_replication_role = replica`).
 //!
 //! Batches in flight never exceed `concurrency`; the backlog of all kinds together takes
 //! at most `concurrency - fresh_slots` of them, so rows coming due now are not late by
@@ -38,10 +57,10 @@ use crate::kind::Kind;
 use crate::store::{NextDue, Window};
 
 /// How often a *sweep* (a backlog batch from the start of the due index) looks for rows
-/// written with a due time already behind where the scan stands: such a row, overdue by
-/// more than `fresh` when written, waits at most this long. A sweep walks the index
-/// entries of the rows deleted so far, in a batch task of its own; probes never do once
-/// the scan knows where it stands.
+/// behind where the scan stands that no notification told of (written with the trigger
+/// disabled). Every notified row is found without it. A sweep walks the index entries
+/// of the rows deleted so far, in a batch task of its own; probes never do while
+/// notifications arrive and the scan knows where it stands.
 pub(crate) const BACKLOG_RESCAN: Duration = Duration::from_secs(30);
 
 /// Rows overdue by more than this are a backlog.
@@ -128,7 +147,7 @@ pub(crate) struct Finished {
     pub(crate) epoch: u64,
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct KindState {
     /// When an on-time batch should start (`None`: no row known to be coming).
     on_time_at: Option<Instant>,
@@ -157,11 +176,24 @@ struct KindState {
     /// When to probe the due index next (`None` while a probe is under way and nothing
     /// asked for another).
     probe_at: Option<Instant>,
-    /// A probe is under way, begun in `epoch` (see [`KindState::restart_drain`]).
+    /// A probe is under way, begun at stamp `epoch` (see [`KindState::epoch`]).
     probing: Option<u64>,
-    /// How often the scan forgot where it stood: a probe begun before that must not
-    /// teach it again (rows it saw held may be due again since).
+    /// The probe under way looks from the start of the due index: what it finds is
+    /// where the scan stands, even behind where it stood.
+    probing_all: bool,
+    /// The kind's stamp: it moves on with every notification and every time the scan
+    /// forgets or stands back. A batch or probe carries the stamp it began at: what it
+    /// learnt is of the rows written before, and void if begun before `void_before`
+    /// (rows it saw held may be due again since, or it looked from further on).
     epoch: u64,
+    void_before: u64,
+    /// Due times notified with their stamps, for the batches and probes in flight that
+    /// began before them: none may move where the scan stands past a row it could not
+    /// see. Each due time is earlier than every one after it (a later, earlier one
+    /// bounds all that an earlier one would).
+    told: Vec<(u64, DateTime<Utc>)>,
+    /// The stamps of the batches in flight.
+    tickets: Vec<u64>,
 }
 
 #[derive(Debug)]
@@ -225,6 +257,7 @@ impl Pacer {
     /// under way until [`Pacer::probed`] or [`Pacer::probe_failed`]: one at a time per
     /// kind, and one asked for meanwhile follows it.
     fn probes_due(&mut self, now: Instant) -> Vec<Probing> {
+        let listening = self.listening;
         self.kinds
             .iter_mut()
             .enumerate()
@@ -232,10 +265,14 @@ impl Pacer {
             .map(|(i, k)| {
                 k.probe_at = None;
                 k.probing = Some(k.epoch);
+                // Without notifications nothing tells of a row written behind where the
+                // scan stands, or inside a window a batch holds: every probe looks from
+                // the start, and for the first fresh row held or not.
+                k.probing_all = !listening || k.from.is_none();
                 Probing {
                     kind: self.served[i],
-                    after: k.covered,
-                    from: k.from,
+                    after: if listening { k.covered } else { None },
+                    from: if listening { k.from } else { None },
                 }
             })
             .collect()
@@ -288,7 +325,7 @@ impl Pacer {
         };
         // Begun before the scan last forgot where it stood: what it saw held may be due
         // again.
-        let current = began.is_none_or(|d| d == k.epoch);
+        let current = began.is_none_or(|t| k.current(t));
         k.backlog |= probe.earliest.is_some_and(|s| s < -fresh);
         // Nothing pending was due before the earliest row the probe saw; with none at
         // all, a row written from now on is due later, or fresh (the on-time lane's), or
@@ -297,9 +334,17 @@ impl Pacer {
             Some(s) => db_offset(probe.start, s).map(|t| t - PROBE_ROUNDING),
             None => Some(probe.start),
         };
+        let ticket = began.unwrap_or(k.epoch);
         if current {
-            k.advance(stands, now);
+            if std::mem::take(&mut k.probing_all) {
+                // Every row due before `stands` is gone, as of the probe's snapshot;
+                // rows written since with earlier due times are notified (see
+                // `notified`), or found by the next probe while no notification can come.
+                k.from = None;
+            }
+            k.advance(ticket, stands, now);
         }
+        k.prune();
         // The first row beyond what we hold; an overdue one is the backlog's. A start
         // asked for meanwhile (a notification) stands.
         let next = probe
@@ -319,6 +364,7 @@ impl Pacer {
         };
         let k = &mut self.kinds[kind];
         k.probing = None;
+        k.probing_all = false;
         k.probe_at = Some(now + self.config.tick);
     }
 
@@ -392,6 +438,7 @@ impl Pacer {
             let k = &mut self.kinds[kind];
             k.on_time_at = None;
             k.on_time_running += 1;
+            k.tickets.push(k.epoch);
             free -= 1;
             starts.push((kind, Lane::OnTime));
             self.look_past_window(kind, now);
@@ -403,6 +450,7 @@ impl Pacer {
             };
             let k = &mut self.kinds[kind];
             k.backlog_running += 1;
+            k.tickets.push(k.epoch);
             free -= 1;
             // A sweep looks from the start of the index, apart from the drain: it may
             // walk many deleted entries, and the drain does not wait for its lock.
@@ -447,6 +495,7 @@ impl Pacer {
         for (kind, k) in self.kinds.iter_mut().enumerate() {
             while free > 0 && k.on_time_more && (fresh_first || !k.backlog) {
                 k.on_time_running += 1;
+                k.tickets.push(k.epoch);
                 free -= 1;
                 starts.push((kind, Lane::OnTime));
             }
@@ -467,13 +516,13 @@ impl Pacer {
         }
         let k = &mut self.kinds[kind];
         k.backlog_locking = false;
-        let Some(rows) = rows.filter(|r| r.epoch == k.epoch) else {
+        let Some(rows) = rows.filter(|r| k.current(r.epoch)) else {
             return;
         };
         if rows.full {
             // Every row due before its last one is sent or held, by it or by an earlier
             // batch in flight (which starts the drain over if it leaves rows behind).
-            k.advance(rows.last_due, now);
+            k.advance(rows.epoch, rows.last_due, now);
         } else {
             k.backlog = false;
         }
@@ -488,12 +537,14 @@ impl Pacer {
             self.clock = Some(clock);
         }
         let tick = self.config.tick;
+        let listening = self.listening;
         let k = &mut self.kinds[kind];
+        k.ended(f.epoch);
         match lane {
             Lane::OnTime => {
                 k.on_time_running = k.on_time_running.saturating_sub(1);
                 k.on_time_more = f.full;
-                if f.epoch != k.epoch {
+                if !k.current(f.epoch) {
                     // Begun before the scan forgot where it stood: see `epoch`.
                     k.probe_at = Some(now);
                 } else if f.full {
@@ -510,9 +561,12 @@ impl Pacer {
                 } else {
                     k.covered = k.covered.max(f.window_end);
                     // A later window's batch in flight looked past its own window when it
-                    // started (or ends in a probe of its own).
+                    // started (or ends in a probe of its own). Without notifications a
+                    // probe names rows others hold too: one that found none to lock
+                    // looks again in a tick, not at once.
                     if k.on_time_running == 0 {
-                        k.probe_at = Some(now);
+                        let idle = f.locked == 0 && !listening;
+                        k.probe_at = Some(if idle { now + tick } else { now });
                     }
                 }
             }
@@ -520,7 +574,7 @@ impl Pacer {
                 k.backlog_running = k.backlog_running.saturating_sub(1);
                 // Begun before the scan last stood back or forgot: rows it could not see
                 // may be pending, so it ends neither the drain's bound nor the backlog.
-                let current = f.epoch == k.epoch;
+                let current = k.current(f.epoch);
                 if f.untouched == 0 && current {
                     // Every row due before its last one is sent or held by an earlier
                     // batch in flight (which starts over if it leaves rows behind). A
@@ -529,7 +583,7 @@ impl Pacer {
                         k.from = None;
                         k.backlog = true;
                     }
-                    k.advance(f.last_due, now);
+                    k.advance(f.epoch, f.last_due, now);
                 }
                 if !f.full && current {
                     k.backlog = false;
@@ -583,9 +637,16 @@ impl Pacer {
             if kind.is_some_and(|kind| kind != self.served[i]) {
                 continue;
             }
+            // Written with a due time behind where the scan stands (a transaction that
+            // took its `now()` before a probe, a burst the on-time lane does not take
+            // while it is fresh): the scan stands before it now, and nothing learnt
+            // before this notice may move it past the row again.
+            if let Some(due) = due {
+                k.told(due);
+            }
             let at = match (due, clock) {
-                // Written already overdue: out of the on-time lane's reach, and maybe
-                // behind where the scan stands, where only a sweep would find it.
+                // Written already overdue: out of the on-time lane's reach, the
+                // backlog's.
                 (Some(due), Some(clock))
                     if clock
                         .db_at(now)
@@ -621,7 +682,7 @@ impl Pacer {
         let tick = now + self.config.tick;
         self.kinds
             .iter()
-            .flat_map(|k| [k.on_time_at, k.probe_at])
+            .flat_map(|k| [k.on_time_at, k.probe_at, k.sweep_at])
             .flatten()
             .filter(|at| *at > now)
             .fold(tick, Instant::min)
@@ -690,25 +751,81 @@ pub(crate) struct Probing {
 impl KindState {
     /// The next backlog batch and probe look from the start of the due index.
     fn restart_drain(&mut self) {
-        self.epoch += 1;
+        self.void();
         self.from = None;
         self.sweep_at = None;
         self.sweep = false;
     }
 
-    /// A row due at `due` waits in the backlog. If the scan stood past it, it stands
-    /// before it now. Either way what batches and probes under way learnt is void (as
-    /// after [`KindState::restart_drain`]): they may have looked from further on, or
-    /// before the row was written — a backlog batch that comes back short must not end
-    /// the backlog this row is in.
+    /// A row due at `due` waits in the backlog: what batches and probes under way
+    /// learnt is void (as after [`KindState::restart_drain`]): a backlog batch that
+    /// comes back short, begun before, must not end the backlog this row is in.
     fn behind(&mut self, due: DateTime<Utc>) {
         self.backlog = true;
-        self.epoch += 1;
+        self.void();
         self.from = self.from.map(|from| from.min(due));
     }
 
-    /// Every row due before `to` is sent or held: the scan stands there, or further.
-    fn advance(&mut self, to: Option<DateTime<Utc>>, now: Instant) {
+    /// What every batch and probe under way learnt is void.
+    fn void(&mut self) {
+        self.epoch += 1;
+        self.void_before = self.epoch;
+        self.told.clear();
+        let void_before = self.void_before;
+        self.tickets.retain(|t| *t >= void_before);
+    }
+
+    /// Whether a batch or probe begun at stamp `t` may teach the scan.
+    fn current(&self, t: u64) -> bool {
+        t >= self.void_before
+    }
+
+    /// A row due at `due` was written (a notification): if the scan stood past it, it
+    /// stands at it now, and no batch or probe begun before may move it further (see
+    /// [`KindState::advance`]).
+    fn told(&mut self, due: DateTime<Utc>) {
+        self.from = self.from.map(|from| from.min(due));
+        self.epoch += 1;
+        while self.told.last().is_some_and(|(_, d)| *d >= due) {
+            self.told.pop();
+        }
+        self.told.push((self.epoch, due));
+        self.prune();
+    }
+
+    /// Drop the due times no batch or probe in flight began before.
+    fn prune(&mut self) {
+        let void_before = self.void_before;
+        let oldest = self
+            .tickets
+            .iter()
+            .chain(self.probing.iter())
+            .filter(|t| **t >= void_before)
+            .min()
+            .copied();
+        match oldest {
+            Some(oldest) => self.told.retain(|(s, _)| *s > oldest),
+            None => self.told.clear(),
+        }
+    }
+
+    /// A batch begun at stamp `t` ended.
+    fn ended(&mut self, t: u64) {
+        if let Some(i) = self.tickets.iter().position(|x| *x == t) {
+            self.tickets.swap_remove(i);
+        }
+        self.prune();
+    }
+
+    /// A batch or probe begun at stamp `t` saw every row due before `to` sent or held:
+    /// the scan stands there, or further, but not past a row notified since `t` (its
+    /// statement may not have seen it).
+    fn advance(&mut self, t: u64, to: Option<DateTime<Utc>>, now: Instant) {
+        let bound = self.told.iter().find(|(s, _)| *s > t).map(|(_, due)| *due);
+        let to = match (to, bound) {
+            (Some(to), Some(bound)) => Some(to.min(bound)),
+            (to, _) => to,
+        };
         if to.is_some() {
             self.from = self.from.max(to);
             self.sweep_at = self.sweep_at.or(Some(now + BACKLOG_RESCAN));
@@ -739,3 +856,6 @@ fn offset(now: Instant, secs: f64) -> Instant {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod sim;
