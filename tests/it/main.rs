@@ -14,6 +14,7 @@ mod console;
 mod delayed;
 mod delayed_chaos;
 mod deletes;
+mod due_bursts;
 mod economy;
 mod election;
 mod failover;
