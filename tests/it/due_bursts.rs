@@ -142,7 +142,10 @@ async fn single_rows_late(world: &World, inbox: &Inbox) -> Written {
         committed > due,
         "the single-row writes ended before their rows were due: nothing shown"
     );
-    Written { due: written, committed }
+    Written {
+        due: written,
+        committed,
+    }
 }
 
 /// Where each kind's messages arrive: TimeOuts through the default exchange, delayed
@@ -169,8 +172,15 @@ async fn burst(world: &World, shape: Shape, inboxes: &Inboxes) {
     assert!(counts.values().all(|c| *c == 1), "{shape:?}: each once");
     let mut at: Vec<DateTime<Utc>> = got.iter().map(|r| r.at).collect();
     for r in &got {
-        let due = written.due.get(&r.message_id()).expect("a message of the burst");
-        assert!(r.at >= *due, "{shape:?}: received {} before its due time {due}", r.at);
+        let due = written
+            .due
+            .get(&r.message_id())
+            .expect("a message of the burst");
+        assert!(
+            r.at >= *due,
+            "{shape:?}: received {} before its due time {due}",
+            r.at
+        );
     }
     at.sort_unstable();
     // From when the last row was written, or came due, to the first receipt, and
