@@ -67,10 +67,8 @@ pub(crate) async fn burst(
     daemon.check_alive()?;
     let got = env.inbox.take();
     let expected: HashSet<Uuid> = ids.into_iter().collect();
-    let delivery = Delivery::check(&got, &expected);
-    let first = got.iter().map(|(_, at)| *at).min().unwrap_or(start);
-    let last = got.iter().map(|(_, at)| *at).max().unwrap_or(start);
-    let last_ms = ms(last - start);
+    let arrival = Arrival::of(&got, &expected, start);
+    let (delivery, last_ms) = (arrival.delivery, arrival.last_ms);
     let cpu = meter.spent(last_ms / 1e3);
     let after = daemon
         .scrape_after(&before, delivery.distinct as u64, SETTLE_LIMIT)
@@ -79,10 +77,10 @@ pub(crate) async fn burst(
     Ok(Burst {
         rows: n,
         insert_secs,
-        first_ms: ms(first - start),
+        first_ms: arrival.first_ms,
         last_ms,
-        rows_per_sec: delivery.distinct as f64 / (last_ms / 1e3),
-        drain_rows_per_sec: delivery.distinct as f64 / (ms(last - first) / 1e3),
+        rows_per_sec: arrival.per_sec,
+        drain_rows_per_sec: arrival.drain_per_sec,
         delivery,
         left_in_table: env.count_rows().await?,
         daemon: scan,
@@ -90,6 +88,40 @@ pub(crate) async fn burst(
         cpu,
         complete,
     })
+}
+
+/// What arrived of the messages expected, timed from `start` (their deadline, or when
+/// the clock could start).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct Arrival {
+    pub(crate) delivery: Delivery,
+    /// Milliseconds from `start` to the first and the last message received.
+    pub(crate) first_ms: f64,
+    pub(crate) last_ms: f64,
+    /// Distinct messages / (last − start).
+    pub(crate) per_sec: f64,
+    /// Distinct messages / (last − first): without the wait for the first.
+    pub(crate) drain_per_sec: f64,
+}
+
+impl Arrival {
+    pub(crate) fn of(
+        got: &[(Uuid, DateTime<Utc>)],
+        expected: &HashSet<Uuid>,
+        start: DateTime<Utc>,
+    ) -> Self {
+        let delivery = Delivery::check(got, expected);
+        let first = got.iter().map(|(_, at)| *at).min().unwrap_or(start);
+        let last = got.iter().map(|(_, at)| *at).max().unwrap_or(start);
+        let last_ms = ms(last - start);
+        Self {
+            delivery,
+            first_ms: ms(first - start),
+            last_ms,
+            per_sec: delivery.distinct as f64 / (last_ms / 1e3),
+            drain_per_sec: delivery.distinct as f64 / (ms(last - first) / 1e3),
+        }
+    }
 }
 
 pub(crate) fn ms(d: chrono::Duration) -> f64 {

@@ -28,7 +28,7 @@ const COUNT_EVERY: Duration = Duration::from_millis(20);
 const BURST_COUNT_EVERY: Duration = Duration::from_millis(100);
 /// Time between the burst's rows all being stored (expected) and T0.
 const BURST_SLACK: Duration = Duration::from_secs(3);
-const START_LIMIT: Duration = Duration::from_secs(30);
+pub(crate) const START_LIMIT: Duration = Duration::from_secs(30);
 
 /// The sizes of the delayed-message phases.
 #[derive(Debug, Clone, Serialize)]
@@ -387,10 +387,8 @@ async fn delayed_burst(
     daemon.check_alive()?;
     let got = inbox.take();
     let expected: HashSet<Uuid> = messages.iter().map(|m| m.id).collect();
-    let delivery = Delivery::check(&got, &expected);
-    let first = got.iter().map(|(_, at)| *at).min().unwrap_or(start);
-    let last = got.iter().map(|(_, at)| *at).max().unwrap_or(start);
-    let last_ms = ms(last - start);
+    let arrival = Arrival::of(&got, &expected, start);
+    let delivery = arrival.delivery;
     let after = settle_fired(&mut daemon, &before, delivery.distinct as u64).await?;
     let peak = daemon.memory()?;
     let scan = ScanDelta::of_kind(&before, &after, DELAYED_KIND);
@@ -402,10 +400,10 @@ async fn delayed_burst(
         not_confirmed,
         stored_secs,
         stored_before_t0_ms: ms(t0 - stored_at),
-        first_ms: ms(first - start),
-        last_ms,
-        msgs_per_sec: delivery.distinct as f64 / (last_ms / 1e3),
-        drain_msgs_per_sec: delivery.distinct as f64 / (ms(last - first) / 1e3),
+        first_ms: arrival.first_ms,
+        last_ms: arrival.last_ms,
+        msgs_per_sec: arrival.per_sec,
+        drain_msgs_per_sec: arrival.drain_per_sec,
         delivery,
         left_in_table,
         daemon: scan,
@@ -426,7 +424,11 @@ async fn start_delivering(env: &Env) -> Result<Daemon> {
 
 /// Scrape until the daemon counts `fired` more delayed messages than in `before`, for at
 /// most `SETTLE_LIMIT` (it counts a batch once it commits).
-async fn settle_fired(daemon: &mut Daemon, before: &Scrape, fired: u64) -> Result<Scrape> {
+pub(crate) async fn settle_fired(
+    daemon: &mut Daemon,
+    before: &Scrape,
+    fired: u64,
+) -> Result<Scrape> {
     let deadline = Instant::now() + SETTLE_LIMIT;
     loop {
         let now = daemon.scrape().await?;

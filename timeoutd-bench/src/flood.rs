@@ -373,6 +373,10 @@ pub(crate) fn flood_lines(f: &ScrapeFlood) -> Vec<Line> {
     lines
 }
 
+/// What `--only-scrape-flood` shows.
+pub(crate) const SCRAPE_FLOOD: Alone<ScrapeFlood> =
+    Alone("scrape flood", flood_lines, flood_measurements);
+
 /// The summary's measurements of the phase.
 pub(crate) fn flood_measurements(f: &ScrapeFlood) -> Vec<Measurement> {
     let mut m = Vec::new();

@@ -15,6 +15,9 @@ pub(crate) enum Deadline {
     /// first inserted the most overdue): on disk in due order, as rows written one by one
     /// with the same timeout lie.
     OverdueInOrder(f64),
+    /// The first at `now()` plus `offset_secs` (negative: overdue), each next one
+    /// `step_secs` later (0: all at the same instant).
+    Spaced { offset_secs: f64, step_secs: f64 },
 }
 
 /// How the catch-up's backlog lies on disk (`--catch-up-layout`).
@@ -45,11 +48,26 @@ pub(crate) async fn insert_due(
     ids: &[Uuid],
     deadline: Deadline,
 ) -> Result<()> {
+    insert_due_in(conn, table, queue, ids, deadline, INSERT_CHUNK).await
+}
+
+/// As [`insert_due`], `chunk` rows per statement (`ids.len()`: one statement).
+pub(crate) async fn insert_due_in(
+    conn: &mut PgConnection,
+    table: &str,
+    queue: &str,
+    ids: &[Uuid],
+    deadline: Deadline,
+    chunk: usize,
+) -> Result<()> {
     let due = match deadline {
         Deadline::At(_) => "coalesce($2::timestamptz, now() - interval '1 second')",
         Deadline::OverdueUpTo(_) => "now() - make_interval(secs => $2::float8 * random())",
         Deadline::OverdueInOrder(_) => {
             "now() - make_interval(secs => $2::float8 * (1 - ($4 + u.ord)::float8 / $5))"
+        }
+        Deadline::Spaced { .. } => {
+            "now() + make_interval(secs => $2::float8 + ($4 + u.ord - 1) * $5::float8)"
         }
     };
     let sql = format!(
@@ -59,16 +77,19 @@ pub(crate) async fn insert_due(
                 jsonb_build_object('i', $4 + u.ord) \
          FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, ord)"
     );
-    for (i, chunk) in ids.chunks(INSERT_CHUNK).enumerate() {
-        let offset = i64::try_from(i * INSERT_CHUNK)?;
+    let size = chunk.max(1);
+    for (i, chunk) in ids.chunks(size).enumerate() {
+        let offset = i64::try_from(i * size)?;
         let query = sqlx::query(AssertSqlSafe(sql.clone())).bind(chunk);
         let query = match deadline {
             Deadline::At(at) => query.bind(at),
             Deadline::OverdueUpTo(secs) | Deadline::OverdueInOrder(secs) => query.bind(secs),
+            Deadline::Spaced { offset_secs, .. } => query.bind(offset_secs),
         };
         let query = query.bind(queue).bind(offset);
         let query = match deadline {
             Deadline::OverdueInOrder(_) => query.bind(i64::try_from(ids.len())?),
+            Deadline::Spaced { step_secs, .. } => query.bind(step_secs),
             _ => query,
         };
         query.execute(&mut *conn).await?;

@@ -49,6 +49,13 @@
 //! another's rows. It needs more connections than Postgres allows by default;
 //! `timeoutd-bench/crowd.sh` runs it against a throwaway cluster and vhost.
 //!
+//! Not part of a whole run either: `--only-due-bursts` (see `due_bursts`) fires
+//! `--due-burst` rows (20000) in shapes the daemon cannot look ahead for (already due
+//! when committed, 1 µs apart, 1 s / 1 min / 1 h overdue, single rows committed after
+//! their deadline, delayed messages due at once), each against the burst's shape (the
+//! rows committed 3 s before their one deadline): to the last received, and the ratio;
+//! one daemon per run, `--runs` times (3).
+//!
 //! Not part of a whole run either: `--only-outbox` (see `outbox`) measures the
 //! transactional outbox, `publish_at_commit` from COMMIT to a consumer's receipt with one
 //! active daemon: `--outbox-msgs` (2000) transactions at `--outbox-rate` (100/s), then
@@ -68,6 +75,7 @@ mod child;
 mod cpu;
 mod crowd;
 mod delayed;
+mod due_bursts;
 mod env;
 mod flood;
 mod hand_rolled;
@@ -91,6 +99,7 @@ pub(crate) use child::*;
 pub(crate) use cpu::*;
 pub(crate) use crowd::*;
 pub(crate) use delayed::*;
+pub(crate) use due_bursts::*;
 pub(crate) use env::*;
 pub(crate) use flood::*;
 pub(crate) use hand_rolled::*;
@@ -247,6 +256,15 @@ pub(crate) struct Args {
     /// Transactions of the outbox's burst, back to back on one connection.
     #[arg(long, default_value_t = 1000)]
     pub(crate) outbox_burst: usize,
+    /// Run only the due bursts (see `due_bursts`): `--due-burst` rows fired in other
+    /// shapes than the burst's (already due when committed, due 1 µs apart, overdue by
+    /// 1 s, 1 min, 1 h, single rows committed after their deadline, delayed messages due
+    /// at once), each against the same rows committed 3 s before their deadline.
+    #[arg(long)]
+    pub(crate) only_due_bursts: bool,
+    /// Rows (and delayed messages) of each due-burst shape.
+    #[arg(long, default_value_t = 20_000)]
+    pub(crate) due_burst: usize,
     /// Directory for bench.json and bench.svg.
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
@@ -429,43 +447,24 @@ pub(crate) async fn main() -> Result<()> {
             burst: args.outbox_burst,
         };
         let measure = async |env: &Env, daemon: &mut Daemon| outbox(env, daemon, plan).await;
-        return only_phase(
-            &args,
-            daemon_bin,
-            runs,
-            "outbox",
-            measure,
-            outbox_lines,
-            outbox_measurements,
-        )
-        .await;
+        return only_phase(&args, daemon_bin, runs, &OUTBOX, measure).await;
+    }
+    if args.only_due_bursts {
+        if args.due_burst == 0 {
+            bail!("--due-burst must be greater than 0");
+        }
+        let n = args.due_burst;
+        let measure = async |env: &Env, daemon: &mut Daemon| due_bursts(env, daemon, n).await;
+        return only_phase(&args, daemon_bin, runs, &DUE_BURSTS, measure).await;
     }
     if let (true, Some(flood)) = (args.only_scrape_flood, plan.scrape_flood) {
         let measure = async |env: &Env, daemon: &mut Daemon| scrape_flood(env, daemon, flood).await;
-        return only_phase(
-            &args,
-            daemon_bin,
-            runs,
-            "scrape flood",
-            measure,
-            flood_lines,
-            flood_measurements,
-        )
-        .await;
+        return only_phase(&args, daemon_bin, runs, &SCRAPE_FLOOD, measure).await;
     }
     if let (true, Some(plan)) = (args.only_big_neighbours, plan.neighbours) {
         let measure =
             async |env: &Env, daemon: &mut Daemon| big_neighbours(env, daemon, plan).await;
-        return only_phase(
-            &args,
-            daemon_bin,
-            runs,
-            "big neighbours",
-            measure,
-            neighbours_lines,
-            neighbours_measurements,
-        )
-        .await;
+        return only_phase(&args, daemon_bin, runs, &BIG_NEIGHBOURS, measure).await;
     }
     let mut reports = Vec::new();
     for n in 1..=runs {
@@ -495,6 +494,14 @@ pub(crate) fn write_summary(out: &Path, summary: &[Summed], runs: usize) -> Resu
     Ok(())
 }
 
+/// What `--only-…` shows of a phase: its name (of its file too), its lines, its
+/// measurements for the summary.
+pub(crate) struct Alone<T>(
+    pub(crate) &'static str,
+    pub(crate) fn(&T) -> Vec<Line>,
+    pub(crate) fn(&T) -> Vec<Measurement>,
+);
+
 /// `--only-…`: one phase alone, `runs` times, each in a fresh environment with a fresh
 /// daemon: its lines printed, its result in `<out>/run-N/<name>.json`, the summary of the
 /// runs in `<out>`.
@@ -502,11 +509,10 @@ async fn only_phase<T: Serialize>(
     args: &Args,
     daemon_bin: PathBuf,
     runs: usize,
-    name: &str,
+    alone: &Alone<T>,
     measure: impl AsyncFn(&Env, &mut Daemon) -> Result<T>,
-    lines: fn(&T) -> Vec<Line>,
-    measurements: fn(&T) -> Vec<Measurement>,
 ) -> Result<()> {
+    let Alone(name, lines, measurements) = *alone;
     let mut per_run = Vec::new();
     for n in 1..=runs {
         println!("== run {n} of {runs}");

@@ -185,6 +185,10 @@ pub(crate) fn neighbours_lines(n: &BigNeighbours) -> Vec<Line> {
     lines
 }
 
+/// What `--only-big-neighbours` shows.
+pub(crate) const BIG_NEIGHBOURS: Alone<BigNeighbours> =
+    Alone("big neighbours", neighbours_lines, neighbours_measurements);
+
 pub(crate) fn neighbours_measurements(n: &BigNeighbours) -> Vec<Measurement> {
     let mut m = Vec::new();
     for (case, s) in [("alone", &n.alone), ("beside big rows", &n.beside)] {

@@ -182,6 +182,9 @@ pub(crate) fn outbox_lines(o: &Outbox) -> Vec<Line> {
     lines
 }
 
+/// What `--only-outbox` shows.
+pub(crate) const OUTBOX: Alone<Outbox> = Alone("outbox", outbox_lines, outbox_measurements);
+
 pub(crate) fn outbox_measurements(o: &Outbox) -> Vec<Measurement> {
     let mut m = Vec::new();
     for (case, c) in [("steady", &o.steady), ("burst", &o.burst)] {
