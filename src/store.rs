@@ -689,6 +689,19 @@ impl Store {
         Ok(listener)
     }
 
+    /// Send `payload` on [`Store::notify_channel`]: a listener that hears its own
+    /// payload back knows its `LISTEN` connection still delivers.
+    pub async fn echo(&self, payload: &str) -> Result<(), StoreError> {
+        self.ready().await?;
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(self.notify_channel())
+            .bind(payload)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.seen(e))?;
+        Ok(())
+    }
+
     /// A round trip to the database, bounded by `limit`.
     pub async fn ping(&self, limit: Duration) -> Result<(), String> {
         let ping = async {

@@ -1,6 +1,9 @@
 //! Postgres `NOTIFY` of new and moved due times (the trigger of migration 0005), on a
 //! LISTEN connection of its own while the node is active, turned into [`Notice`]s for the
-//! scan task's pacer.
+//! scan task's pacer. Every `scan.probe_interval` the listener notifies the channel itself
+//! (an *echo*) and needs to hear it back within two of them: a connection that stopped
+//! delivering without a word (half-open TCP) counts as lost then, and what was written
+//! meanwhile is looked for as after any other gap.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -110,14 +113,22 @@ enum Listened {
     Moved,
 }
 
-/// Notifications of `listener` until it is lost, the pool moves to another host, or we
-/// stop.
+/// The payload of an echo: a prefix no trigger payload has, and a token of its own.
+const ECHO: &str = "echo:";
+
+/// Notifications of `listener` until it is lost (an echo not heard back within two
+/// `scan.probe_interval`s counts), the pool moves to another host, or we stop.
 async fn forward(
     scan: &Scan,
     listener: &mut sqlx::postgres::PgListener,
     moves: Option<watch::Receiver<u64>>,
     send: &impl Fn(Notice),
 ) -> Listened {
+    let every = scan.settings.scan.probe_interval;
+    let mut echo = tokio::time::interval(every);
+    echo.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The echo sent and not yet heard back, and when it was sent.
+    let mut awaited: Option<(String, Instant)> = None;
     let moved = async {
         let Some(mut moves) = moves else {
             return std::future::pending().await;
@@ -131,9 +142,34 @@ async fn forward(
         let next = tokio::select! {
             _ = scan.stop.cancelled() => return Listened::Stopped,
             _ = &mut moved => return Listened::Moved,
+            _ = echo.tick() => {
+                match &awaited {
+                    Some((_, sent)) if sent.elapsed() >= 2 * every => {
+                        return Listened::Lost(format!(
+                            "its own NOTIFY did not come back within {:?}",
+                            2 * every
+                        ));
+                    }
+                    Some(_) => continue,
+                    None => {}
+                }
+                let token = format!("{ECHO}{}", uuid::Uuid::new_v4().simple());
+                // A database too slow to take it is the probes' news, not the listener's:
+                // only an echo sent and never heard counts.
+                if let Ok(Ok(())) = tokio::time::timeout(every, scan.store.echo(&token)).await {
+                    awaited = Some((token, Instant::now()));
+                }
+                continue;
+            }
             n = listener.try_recv() => n,
         };
         match next {
+            Ok(Some(n)) if n.payload().starts_with(ECHO) => {
+                // Another node's echo (two active for a moment) is nobody's news.
+                if awaited.as_ref().is_some_and(|(t, _)| t == n.payload()) {
+                    awaited = None;
+                }
+            }
             Ok(Some(n)) => send(parse_notice(n.payload())),
             // sqlx would reconnect on the next call, but only a new LISTEN tells us when
             // it is back, and the look after it must come after it.

@@ -6,7 +6,6 @@
 //! row once, none before its due time, and never a long silence while rows are due.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::AssertSqlSafe;
