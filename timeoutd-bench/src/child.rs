@@ -168,11 +168,19 @@ impl Daemon {
 
     /// SIGTERM, then wait (bounded); SIGKILL if it does not stop.
     pub(crate) async fn stop(mut self) -> Result<()> {
-        let term = std::process::Command::new("kill")
-            .args(["-TERM", &self.pid.to_string()])
-            .status();
-        if !term.is_ok_and(|s| s.success()) {
-            self.child.start_kill()?;
+        self.terminate().await
+    }
+
+    /// As [`Daemon::stop`], keeping the handle: a daemon that has already exited is not
+    /// signalled again, its exit is judged as it was.
+    pub(crate) async fn terminate(&mut self) -> Result<()> {
+        if self.child.try_wait()?.is_none() {
+            let term = std::process::Command::new("kill")
+                .args(["-TERM", &self.pid.to_string()])
+                .status();
+            if !term.is_ok_and(|s| s.success()) {
+                self.child.start_kill()?;
+            }
         }
         match tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await {
             Ok(status) if status.as_ref().is_ok_and(|s| s.success()) => Ok(()),

@@ -339,13 +339,15 @@ struct Member {
 
 /// What `/status` says, as far as agreement goes.
 #[derive(Debug, Clone, Deserialize)]
-struct NodeStatus {
-    node_id: Uuid,
-    role: String,
-    lowest: Uuid,
+pub(crate) struct NodeStatus {
+    pub(crate) node_id: Uuid,
+    pub(crate) role: String,
+    pub(crate) lowest: Uuid,
+    /// Done joining (probing over).
+    pub(crate) settled: bool,
 }
 
-async fn status(addr: SocketAddr) -> Option<NodeStatus> {
+pub(crate) async fn node_status(addr: SocketAddr) -> Option<NodeStatus> {
     match get(addr, "/status", Duration::from_secs(2)).await {
         Ok((200, body)) => serde_json::from_str(&body).ok(),
         _ => None,
@@ -353,7 +355,7 @@ async fn status(addr: SocketAddr) -> Option<NodeStatus> {
 }
 
 /// The one active node every node names, if they all answer and agree.
-fn agreed(statuses: &[Option<NodeStatus>]) -> Option<Uuid> {
+pub(crate) fn agreed(statuses: &[Option<NodeStatus>]) -> Option<Uuid> {
     let all: Vec<&NodeStatus> = statuses.iter().map(Option::as_ref).collect::<Option<_>>()?;
     let active: Vec<Uuid> = all
         .iter()
@@ -388,7 +390,7 @@ async fn wait_agreed(
             if Some(i) == skip {
                 None
             } else {
-                status(m.daemon.http).await
+                node_status(m.daemon.http).await
             }
         });
         let answers = join_all(asked).await;

@@ -54,7 +54,10 @@
 //! when committed, 1 µs apart, 1 s / 1 min / 1 h overdue, single rows committed after
 //! their deadline, delayed messages due at once), each against the burst's shape (the
 //! rows committed 3 s before their one deadline): to the last received, and the ratio;
-//! one daemon per run, `--runs` times (3).
+//! one daemon per run, `--runs` times (3). Then (unless `--due-bursts-takeover false`)
+//! due now and delayed due at once again, each right after a takeover: a group of 3
+//! daemons settles, its active node is killed (SIGKILL), and the shape is put in as soon
+//! as another node says it is active; the takeover (kill → another active) timed too.
 //!
 //! Not part of a whole run either: `--only-outbox` (see `outbox`) measures the
 //! transactional outbox, `publish_at_commit` from COMMIT to a consumer's receipt with one
@@ -265,6 +268,11 @@ pub(crate) struct Args {
     /// Rows (and delayed messages) of each due-burst shape.
     #[arg(long, default_value_t = 20_000)]
     pub(crate) due_burst: usize,
+    /// With --only-due-bursts, also due now and delayed with x-delay 0 right after a
+    /// takeover: each on a group of 3 daemons whose active node is killed (SIGKILL), put
+    /// in as soon as another node's `/status` says active.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub(crate) due_bursts_takeover: bool,
     /// Directory for bench.json and bench.svg.
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
@@ -453,8 +461,9 @@ pub(crate) async fn main() -> Result<()> {
         if args.due_burst == 0 {
             bail!("--due-burst must be greater than 0");
         }
-        let n = args.due_burst;
-        let measure = async |env: &Env, daemon: &mut Daemon| due_bursts(env, daemon, n).await;
+        let (n, takeover) = (args.due_burst, args.due_bursts_takeover);
+        let measure =
+            async |env: &Env, daemon: &mut Daemon| due_bursts(env, daemon, n, takeover).await;
         return only_phase(&args, daemon_bin, runs, &DUE_BURSTS, measure).await;
     }
     if let (true, Some(flood)) = (args.only_scrape_flood, plan.scrape_flood) {
