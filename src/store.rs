@@ -674,6 +674,13 @@ impl Store {
         channel
     }
 
+    /// `LISTEN` on [`Store::notify_channel`] as a statement: run again on a listener's
+    /// connection it changes nothing but proves the connection answers (and leaves
+    /// `pg_stat_activity` showing what the session is for).
+    pub fn listen_statement(&self) -> String {
+        format!(r#"LISTEN "{}""#, self.notify_channel().replace('"', "\"\""))
+    }
+
     /// A listener on [`Store::notify_channel`] (one pooled connection, held while the
     /// listener lives: the scan opens it only while active, see `scan::notice::listen`).
     pub async fn listener(&self) -> Result<PgListener, StoreError> {
@@ -687,19 +694,6 @@ impl Store {
         listener.eager_reconnect(false);
         listener.listen(&self.notify_channel()).await?;
         Ok(listener)
-    }
-
-    /// Send `payload` on [`Store::notify_channel`]: a listener that hears its own
-    /// payload back knows its `LISTEN` connection still delivers.
-    pub async fn echo(&self, payload: &str) -> Result<(), StoreError> {
-        self.ready().await?;
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(self.notify_channel())
-            .bind(payload)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| self.seen(e))?;
-        Ok(())
     }
 
     /// A round trip to the database, bounded by `limit`.

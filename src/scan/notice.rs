@@ -1,13 +1,13 @@
 //! Postgres `NOTIFY` of new and moved due times (the trigger of migration 0005), on a
 //! LISTEN connection of its own while the node is active, turned into [`Notice`]s for the
-//! scan task's pacer. Every `scan.probe_interval` the listener notifies the channel itself
-//! (an *echo*) and needs to hear it back within two of them: a connection that stopped
-//! delivering without a word (half-open TCP) counts as lost then, and what was written
+//! scan task's pacer. Every `scan.probe_interval` the listener asks its connection for a
+//! round trip: one that stopped delivering without a word (half-open TCP) answers nothing
+//! within the next interval (at least a second) and counts as lost, and what was written
 //! meanwhile is looked for as after any other gap.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use tokio::sync::{mpsc, watch};
@@ -113,22 +113,32 @@ enum Listened {
     Moved,
 }
 
-/// The payload of an echo: a prefix no trigger payload has, and a token of its own.
-const ECHO: &str = "echo:";
+/// How long the LISTEN connection has to answer a round trip at the least: one that
+/// takes longer under load is slow, not dead, and counting it lost costs a look at every
+/// kind from the start of the due index.
+const ANSWER_FLOOR: Duration = Duration::from_secs(1);
 
-/// Notifications of `listener` until it is lost (an echo not heard back within two
-/// `scan.probe_interval`s counts), the pool moves to another host, or we stop.
+/// What woke the listener.
+enum Woken {
+    Notified(Result<Option<sqlx::postgres::PgNotification>, sqlx::Error>),
+    /// Time to check that the connection still answers.
+    Check,
+}
+
+/// Notifications of `listener` until it is lost (a round trip on it unanswered for
+/// `scan.probe_interval`, at least [`ANSWER_FLOOR`], counts), the pool moves to another
+/// host, or we stop.
 async fn forward(
     scan: &Scan,
     listener: &mut sqlx::postgres::PgListener,
     moves: Option<watch::Receiver<u64>>,
     send: &impl Fn(Notice),
 ) -> Listened {
-    let every = scan.settings.scan.probe_interval;
-    let mut echo = tokio::time::interval(every);
-    echo.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The echo sent and not yet heard back, and when it was sent.
-    let mut awaited: Option<(String, Instant)> = None;
+    let settings = &scan.settings;
+    let every = settings.scan.probe_interval.max(settings.election.tick);
+    let within = every.max(ANSWER_FLOOR);
+    let mut check = tokio::time::interval(every);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let moved = async {
         let Some(mut moves) = moves else {
             return std::future::pending().await;
@@ -139,37 +149,32 @@ async fn forward(
     };
     tokio::pin!(moved);
     loop {
-        let next = tokio::select! {
+        let woken = tokio::select! {
             _ = scan.stop.cancelled() => return Listened::Stopped,
             _ = &mut moved => return Listened::Moved,
-            _ = echo.tick() => {
-                match &awaited {
-                    Some((_, sent)) if sent.elapsed() >= 2 * every => {
+            _ = check.tick() => Woken::Check,
+            n = listener.try_recv() => Woken::Notified(n),
+        };
+        let next = match woken {
+            Woken::Notified(n) => n,
+            Woken::Check => {
+                // A connection that stopped delivering without a word (half-open TCP, a
+                // stalled proxy) answers nothing either; notifications that arrive
+                // meanwhile wait in the listener's buffer.
+                let again = scan.store.listen_statement();
+                let asked = sqlx::raw_sql(sqlx::AssertSqlSafe(again)).execute(&mut *listener);
+                match tokio::time::timeout(within, asked).await {
+                    Ok(Ok(_)) => continue,
+                    Ok(Err(e)) => return Listened::Lost(Chain(&e).to_string()),
+                    Err(_) => {
                         return Listened::Lost(format!(
-                            "its own NOTIFY did not come back within {:?}",
-                            2 * every
+                            "no answer on the LISTEN connection within {within:?}"
                         ));
                     }
-                    Some(_) => continue,
-                    None => {}
                 }
-                let token = format!("{ECHO}{}", uuid::Uuid::new_v4().simple());
-                // A database too slow to take it is the probes' news, not the listener's:
-                // only an echo sent and never heard counts.
-                if let Ok(Ok(())) = tokio::time::timeout(every, scan.store.echo(&token)).await {
-                    awaited = Some((token, Instant::now()));
-                }
-                continue;
             }
-            n = listener.try_recv() => n,
         };
         match next {
-            Ok(Some(n)) if n.payload().starts_with(ECHO) => {
-                // Another node's echo (two active for a moment) is nobody's news.
-                if awaited.as_ref().is_some_and(|(t, _)| t == n.payload()) {
-                    awaited = None;
-                }
-            }
             Ok(Some(n)) => send(parse_notice(n.payload())),
             // sqlx would reconnect on the next call, but only a new LISTEN tells us when
             // it is back, and the look after it must come after it.

@@ -38,8 +38,9 @@
 //! - a batch that fails or leaves rows unsent makes the scan forget where it stood.
 //!
 //! A *sweep* every [`BACKLOG_RESCAN`] looks from the start besides: it finds only rows
-//! written without a notification (the trigger disabled, e.g. by
-//! `session_replication_role = replica`).
+//! whose notification could not say where they are: written with the trigger disabled
+//! (e.g. by `session_replication_role = replica`), or due at '-infinity' (the payload
+//! does not tell the two infinities apart).
 //!
 //! Batches in flight never exceed `concurrency`; the backlog of all kinds together takes
 //! at most `concurrency - fresh_slots` of them, so rows coming due now are not late by
@@ -57,8 +58,7 @@ use crate::kind::Kind;
 use crate::store::{NextDue, Window};
 
 /// How often a *sweep* (a backlog batch from the start of the due index) looks for rows
-/// behind where the scan stands that no notification told of (written with the trigger
-/// disabled). Every notified row is found without it. A sweep walks the index entries
+/// behind where the scan stands that no notification placed (see the module docs). A sweep walks the index entries
 /// of the rows deleted so far, in a batch task of its own; probes never do while
 /// notifications arrive and the scan knows where it stands.
 pub(crate) const BACKLOG_RESCAN: Duration = Duration::from_secs(30);
@@ -157,9 +157,9 @@ struct KindState {
     /// Rows overdue by more than `fresh` are waiting.
     backlog: bool,
     /// Where the scan stands: every row due before it was sent or is held by a batch in
-    /// flight, as far as we know (a row written later with an earlier due time is found
-    /// by the next sweep, or by the on-time lane while it is fresh). Probes and backlog
-    /// batches look from here, past the index entries of the rows deleted before it.
+    /// flight, as far as we know (a row written later with an earlier due time moves it
+    /// back when notified, see [`KindState::told`]). Probes and backlog batches look
+    /// from here, past the index entries of the rows deleted before it.
     from: Option<DateTime<Utc>>,
     /// When the next sweep is due (set once `from` is), and whether one should start.
     sweep_at: Option<Instant>,
@@ -309,13 +309,17 @@ impl Pacer {
         let Some(kind) = self.position(kind) else {
             return;
         };
-        self.clock = Some(DbClock {
-            at: now,
-            db: probe.now,
-        });
+        self.read_clock(
+            DbClock {
+                at: now,
+                db: probe.now,
+            },
+            now,
+        );
         let fresh = self.config.fresh.as_secs_f64();
         let lead = self.config.lead;
         let again = now + self.probe_every();
+        let listening = self.listening;
         let k = &mut self.kinds[kind];
         let began = k.probing.take();
         // A probe asked for while this one was under way follows it.
@@ -328,21 +332,27 @@ impl Pacer {
         let current = began.is_none_or(|t| k.current(t));
         k.backlog |= probe.earliest.is_some_and(|s| s < -fresh);
         // Nothing pending was due before the earliest row the probe saw; with none at
-        // all, a row written from now on is due later, or fresh (the on-time lane's), or
-        // behind (the next sweep's).
+        // all, a row written after its snapshot with an earlier due time is notified
+        // (see `told`).
         let stands = match probe.earliest {
             Some(s) => db_offset(probe.start, s).map(|t| t - PROBE_ROUNDING),
             None => Some(probe.start),
         };
         let ticket = began.unwrap_or(k.epoch);
         if current {
-            if std::mem::take(&mut k.probing_all) {
+            let all = std::mem::take(&mut k.probing_all);
+            if all {
                 // Every row due before `stands` is gone, as of the probe's snapshot;
                 // rows written since with earlier due times are notified (see
                 // `notified`), or found by the next probe while no notification can come.
                 k.from = None;
             }
             k.advance(ticket, stands, now);
+            if let Some(found) = stands.filter(|_| all && !listening) {
+                // No notification bounds the backlog batches in flight, which began from
+                // further on: what this look found bounds them as one would.
+                k.told(found);
+            }
         }
         k.prune();
         // The first row beyond what we hold; an overdue one is the backlog's. A start
@@ -484,9 +494,16 @@ impl Pacer {
         let Ok(horizon) = chrono::Duration::from_std(self.config.horizon) else {
             return;
         };
+        // Without notifications a probe names rows this batch holds too: the next one
+        // waits a tick, or each would start another batch that finds nothing.
+        let at = if self.listening {
+            now
+        } else {
+            now + self.config.tick
+        };
         let k = &mut self.kinds[kind];
         k.covered = k.covered.max(Some(clock.db_at(now) + horizon));
-        k.probe_at = Some(now);
+        k.probe_at = Some(k.probe_at.map_or(at, |p| p.min(at)));
     }
 
     /// Slots left over go to windows known to hold more than one batch, kind by kind.
@@ -534,12 +551,11 @@ impl Pacer {
             return;
         };
         if let Some(clock) = f.clock {
-            self.clock = Some(clock);
+            self.read_clock(clock, now);
         }
         let tick = self.config.tick;
         let listening = self.listening;
         let k = &mut self.kinds[kind];
-        k.ended(f.epoch);
         match lane {
             Lane::OnTime => {
                 k.on_time_running = k.on_time_running.saturating_sub(1);
@@ -582,6 +598,11 @@ impl Pacer {
                     if lane == Lane::Sweep && f.full {
                         k.from = None;
                         k.backlog = true;
+                        // Backlog batches in flight began further on: none may move
+                        // the scan past what the sweep found.
+                        if let Some(found) = f.last_due {
+                            k.told(found);
+                        }
                     }
                     k.advance(f.epoch, f.last_due, now);
                 }
@@ -594,12 +615,18 @@ impl Pacer {
                 }
             }
         }
+        // Its stamp bounds nothing from now on (after `advance` used what was told since).
+        k.ended(f.epoch);
         if f.untouched > 0 {
-            // Rows it held are due again and no notification will say so.
+            // Rows it held are due again and no notification will say so: batches go
+            // for them at once (the fresh ones on time, the others as backlog, from the
+            // start), without waiting for a probe.
             k.covered = None;
             k.on_time_more = false;
             k.restart_drain();
             k.probe_at = Some(now);
+            k.on_time_at = Some(now);
+            k.backlog = true;
         }
     }
 
@@ -632,7 +659,11 @@ impl Pacer {
     ) {
         let lead = self.config.lead;
         let clock = self.clock;
-        let fresh = chrono::Duration::from_std(self.config.fresh).unwrap_or(chrono::Duration::MAX);
+        // Rows near the end of the on-time lane's reach go to the backlog: by the time an
+        // on-time batch locks, they may be out of it (the clock is known only to a lower
+        // bound, and the lock comes a round trip later).
+        let fresh = chrono::Duration::from_std(self.config.fresh - self.config.fresh / 10)
+            .unwrap_or(chrono::Duration::MAX);
         for (i, k) in self.kinds.iter_mut().enumerate() {
             if kind.is_some_and(|kind| kind != self.served[i]) {
                 continue;
@@ -673,6 +704,17 @@ impl Pacer {
                 }
             };
             k.on_time_at = Some(k.on_time_at.map_or(at, |t| t.min(at)));
+        }
+    }
+
+    /// A reading of the database clock: kept if it places the database later than the one
+    /// held (both are lower bounds; a probe's reading is as old as its snapshot).
+    fn read_clock(&mut self, clock: DbClock, now: Instant) {
+        if self
+            .clock
+            .is_none_or(|held| held.db_at(now) <= clock.db_at(now))
+        {
+            self.clock = Some(clock);
         }
     }
 
@@ -784,12 +826,26 @@ impl KindState {
     /// stands at it now, and no batch or probe begun before may move it further (see
     /// [`KindState::advance`]).
     fn told(&mut self, due: DateTime<Utc>) {
+        // A due time read as a float of seconds (before Postgres 14) may be a
+        // microsecond late.
+        let due = due - PROBE_ROUNDING;
         self.from = self.from.map(|from| from.min(due));
         self.epoch += 1;
         while self.told.last().is_some_and(|(_, d)| *d >= due) {
             self.told.pop();
         }
-        self.told.push((self.epoch, due));
+        // Each batch or probe is bounded by the first due time told after it began: one
+        // told after another with no batch or probe begun between them bounds nothing
+        // more, as it is later.
+        let needed = self.told.last().is_none_or(|(last, _)| {
+            self.tickets
+                .iter()
+                .chain(self.probing.iter())
+                .any(|t| t >= last)
+        });
+        if needed {
+            self.told.push((self.epoch, due));
+        }
         self.prune();
     }
 

@@ -119,6 +119,12 @@ async fn single_rows_late(world: &World, inbox: &Inbox) -> Written {
             tokio::spawn(async move {
                 let mut ids = Vec::new();
                 for i in (w..ROWS).step_by(4) {
+                    // The last rows wait for their deadline: the writes end after it,
+                    // however fast the machine.
+                    if i >= ROWS - 40 {
+                        let wait = (due - Utc::now()).to_std().unwrap_or_default();
+                        tokio::time::sleep(wait).await;
+                    }
                     let id: String = sqlx::query_scalar(AssertSqlSafe(sql.clone()))
                         .bind(format!("single-{i}"))
                         .bind(due)
@@ -137,10 +143,6 @@ async fn single_rows_late(world: &World, inbox: &Inbox) -> Written {
         written.extend(w.await.expect("writer").into_iter().map(|id| (id, due)));
     }
     let committed = Utc::now();
-    assert!(
-        committed > due,
-        "the single-row writes ended before their rows were due: nothing shown"
-    );
     Written {
         due: written,
         committed,

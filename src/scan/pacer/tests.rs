@@ -626,7 +626,10 @@ fn a_sweep_looks_from_the_start_every_backlog_rescan() {
         later,
         backlog_done(500, true, 0, db(at, -9000)),
     );
-    assert_eq!(p.window(E, Lane::Backlog).from, Some(db(at, -9000)));
+    assert_eq!(
+        p.window(E, Lane::Backlog).from,
+        Some(db(at, -9000) - PROBE_ROUNDING)
+    );
     assert_eq!(
         p.starts(later),
         vec![(E, Lane::Backlog), (E, Lane::Backlog)]
@@ -682,13 +685,22 @@ fn a_row_written_overdue_behind_the_scan_is_the_backlogs_at_once_not_the_next_sw
         p.window(E, Lane::Backlog).from,
         Some(db(at, -3_600_000) - PROBE_ROUNDING)
     );
-    // A fresh row (overdue by less than `fresh`) stays the on-time lane's; the scan
-    // stands at it, should it grow old before the lane takes it (a burst).
+    // A fresh row (overdue by less than `fresh`, with a tenth to spare for the lock's
+    // round trip) stays the on-time lane's; the scan stands at it, should it grow old
+    // before the lane takes it (a burst).
     let mut p = Pacer::new(config(3, 1), &[E], now);
     p.probed(E, now, probe(None, None));
-    p.notified(Some(E), Some(db(at, -999)), now);
-    assert_eq!(p.window(E, Lane::Backlog).from, Some(db(at, -999)));
+    p.notified(Some(E), Some(db(at, -899)), now);
+    assert_eq!(
+        p.window(E, Lane::Backlog).from,
+        Some(db(at, -899) - PROBE_ROUNDING)
+    );
     assert_eq!(p.starts(now), vec![(E, Lane::OnTime)]);
+    // Nearer the end of the lane's reach, the backlog's.
+    let mut p = Pacer::new(config(3, 1), &[E], now);
+    p.probed(E, now, probe(None, None));
+    p.notified(Some(E), Some(db(at, -901)), now);
+    assert_eq!(p.starts(now), vec![(E, Lane::Backlog), (E, Lane::Backlog)]);
 }
 
 #[test]
@@ -811,8 +823,13 @@ fn one_probe_per_kind_is_under_way_and_one_asked_for_meanwhile_follows_it() {
     p.finished(E, Lane::OnTime, later, short(clock, 1, t0().1));
     assert_eq!(probes(&mut p, later), vec![]);
     p.probed(E, later, probe(None, None));
-    // It looks past the window the batch held from its start (see the next test).
-    let held = Some(db(t0().1, 100));
+    // It looks past the window the batch held from its start (see the next test), by
+    // the latest reading of the clock (the first probe's: the later ones read no later).
+    let first = DbClock {
+        at: now,
+        db: t0().1,
+    };
+    let held = Some(first.db_at(later) + chrono::Duration::milliseconds(100));
     assert_eq!(probes(&mut p, later), vec![(E, held)]);
     p.probe_failed(E, later);
     assert_eq!(probes(&mut p, later), vec![]);
@@ -1011,4 +1028,44 @@ fn a_sweep_neither_waits_for_the_drains_lock_nor_holds_it_up() {
         vec![(E, Lane::Backlog)],
         "the sweep has not locked"
     );
+}
+
+/// A backlog batch that began before a row was notified ends after it: it may not have
+/// seen the row, so it moves the scan no further than the row, fresh or not.
+#[test]
+fn a_batch_begun_before_a_notified_row_never_moves_the_scan_past_it() {
+    let (now, at) = t0();
+    let mut p = Pacer::new(config(1, 0), &[E], now);
+    p.listening(true, now);
+    probes(&mut p, now);
+    p.probed(E, now, probe(Some(-3600.0), None));
+    assert_eq!(p.starts_one(now), vec![(E, Lane::Backlog)]);
+    let began = p.epoch(E);
+    p.locked(E, Lane::Backlog, now, locked(&p, true, db(at, -100)));
+    p.notified(Some(E), Some(db(at, -500)), now);
+    let stands = Some(db(at, -500) - PROBE_ROUNDING);
+    assert_eq!(p.window(E, Lane::Backlog).from, stands);
+    p.finished(
+        E,
+        Lane::Backlog,
+        now,
+        Finished {
+            epoch: began,
+            ..backlog_done(500, true, 0, db(at, -100))
+        },
+    );
+    assert_eq!(p.window(E, Lane::Backlog).from, stands);
+}
+
+/// Without notifications a probe names rows a batch of ours holds: the next probe waits
+/// a tick instead of setting off another batch that finds nothing, again and again.
+#[test]
+fn without_notifications_an_on_time_start_probes_again_in_a_tick_not_at_once() {
+    let (now, _) = t0();
+    let mut p = Pacer::new(config(3, 1), &[E], now);
+    probes(&mut p, now);
+    p.probed(E, now, probe(Some(0.01), Some(0.01)));
+    assert_eq!(p.starts(now + 10 * MS), vec![(E, Lane::OnTime)]);
+    assert!(probes(&mut p, now + 10 * MS).is_empty());
+    assert_eq!(probes(&mut p, now + 260 * MS).len(), 1);
 }
