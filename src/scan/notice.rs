@@ -184,8 +184,9 @@ async fn forward(
     }
 }
 
-/// The trigger's payload: `<kind>:<epoch micros>` (migration 0005), `<kind>:` for an
-/// infinite due time; anything else asks to look at every kind now.
+/// The trigger's payload: `<kind>:<epoch micros>` (migration 0005), `<kind>:` for
+/// 'infinity', `<kind>:-` for '-infinity' (migration 0010; read as an unknown due time:
+/// look at the kind from the start); anything else asks to look at every kind now.
 fn parse_notice(payload: &str) -> Notice {
     let Some((kind, micros)) = payload.split_once(':') else {
         return Notice::ANY;
@@ -231,5 +232,11 @@ mod tests {
             assert!(n.due.is_none() || n.kind.is_none(), "{junk:?}: {n:?}");
         }
         assert_eq!(parse_notice("nonsense"), Notice::ANY);
+        let minus = parse_notice("expectation:-");
+        assert_eq!(
+            (minus.kind, minus.due),
+            (Some(Kind::Expectation), None),
+            "'-infinity': look at this kind from the start now"
+        );
     }
 }

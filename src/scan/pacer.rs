@@ -39,8 +39,7 @@
 //!
 //! A *sweep* every [`BACKLOG_RESCAN`] looks from the start besides: it finds only rows
 //! whose notification could not say where they are: written with the trigger disabled
-//! (e.g. by `session_replication_role = replica`), or due at '-infinity' (the payload
-//! does not tell the two infinities apart).
+//! (e.g. by `session_replication_role = replica`).
 //!
 //! Batches in flight never exceed `concurrency`; the backlog of all kinds together takes
 //! at most `concurrency - fresh_slots` of them, so rows coming due now are not late by

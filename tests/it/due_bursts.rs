@@ -29,6 +29,8 @@ enum Shape {
     MicrosApart,
     /// One statement, due a minute before its `now()`.
     MinuteAgo,
+    /// One statement, due at `'-infinity'`.
+    MinusInfinity,
     /// Single-row transactions on four connections, all due half a second after the
     /// first begins; they end after that.
     SingleRowsLate,
@@ -52,7 +54,8 @@ async fn write(world: &World, shape: Shape, inbox: &Inbox, key: &str) -> Written
         format!(
             "INSERT INTO {s}.expected_messages (process_id, message_type, timeout_at, \
              exchange, routing_key) SELECT 'burst-' || i, 'Reply', {due}, '', $1 \
-             FROM generate_series(1, $2) AS i RETURNING id::text, timeout_at"
+             FROM generate_series(1, $2) AS i \
+             RETURNING id::text, greatest(timeout_at, '1970-01-01T00:00:00Z')"
         )
     };
     let delayed = |due: &str| {
@@ -70,6 +73,11 @@ async fn write(world: &World, shape: Shape, inbox: &Inbox, key: &str) -> Written
         ),
         Shape::MinuteAgo => (
             expectations("now() - interval '1 minute'"),
+            inbox.queue.clone(),
+            0.0,
+        ),
+        Shape::MinusInfinity => (
+            expectations("'-infinity'::timestamptz"),
             inbox.queue.clone(),
             0.0,
         ),
@@ -234,6 +242,7 @@ async fn bursts_written_already_due_drain_without_a_pause() {
         Shape::DueNow,
         Shape::MicrosApart,
         Shape::MinuteAgo,
+        Shape::MinusInfinity,
         Shape::SingleRowsLate,
         Shape::DelayedNow,
         Shape::DelayedSecondAgo,
