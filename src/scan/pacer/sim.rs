@@ -816,12 +816,9 @@ fn traced_seed() {
     eprintln!("{:#?}", run(seed));
 }
 
-/// The shapes of the issue that found this: a burst of rows already due, written by one
-/// statement (committing up to a second after its `now()`, after a probe found the table
-/// empty) or by many single-row transactions that end after their rows came due; each
-/// twice, the second after the first drained.
-#[test]
-fn bursts_already_due_never_wait_for_a_sweep() {
+/// The default settings (probing every `probe_interval`) and quick, faultless services,
+/// deaf for the spans in `deaf`.
+fn defaults(probe_interval: Duration, deaf: Vec<(At, At)>) -> (Config, Faults) {
     let config = Config {
         horizon: 100 * MS,
         lead: Config::lead_for(100 * MS),
@@ -829,8 +826,7 @@ fn bursts_already_due_never_wait_for_a_sweep() {
         concurrency: 4,
         fresh_slots: 1,
         tick: 250 * MS,
-        // A probe between the writer's now() and its commit.
-        probe_interval: 250 * MS,
+        probe_interval,
     };
     let faults = Faults {
         notify_lost: 0.0,
@@ -840,8 +836,19 @@ fn bursts_already_due_never_wait_for_a_sweep() {
         commit_delay: 10 * MS,
         batch_fails: 0.0,
         untouched: 0.0,
-        deaf: Vec::new(),
+        deaf,
     };
+    (config, faults)
+}
+
+/// The shapes of the issue that found this: a burst of rows already due, written by one
+/// statement (committing up to a second after its `now()`, after a probe found the table
+/// empty) or by many single-row transactions that end after their rows came due; each
+/// twice, the second after the first drained.
+#[test]
+fn bursts_already_due_never_wait_for_a_sweep() {
+    // A probe between the writer's now() and its commit.
+    let (config, faults) = defaults(250 * MS, Vec::new());
     let shapes: [(&str, &[i64], At); 4] = [
         ("due now", &[0; 2_000], 900 * MS),
         ("due a second ago", &[-1_000_000; 2_000], 50 * MS),
@@ -890,25 +897,7 @@ fn bursts_already_due_never_wait_for_a_sweep() {
 /// behind is found by the next look from the start, not by the sweep; nothing loops.
 #[test]
 fn without_notifications_rows_behind_a_drain_are_found_by_the_next_look() {
-    let config = Config {
-        horizon: 100 * MS,
-        lead: Config::lead_for(100 * MS),
-        fresh: Duration::from_secs(1),
-        concurrency: 4,
-        fresh_slots: 1,
-        tick: 250 * MS,
-        probe_interval: 1000 * MS,
-    };
-    let faults = Faults {
-        notify_lost: 0.0,
-        notify_delay: 2 * MS,
-        probe_delay: 20 * MS,
-        lock_delay: 20 * MS,
-        commit_delay: 10 * MS,
-        batch_fails: 0.0,
-        untouched: 0.0,
-        deaf: vec![(MS, Duration::from_secs(60))],
-    };
+    let (config, faults) = defaults(1000 * MS, vec![(MS, Duration::from_secs(60))]);
     let mut sim = Sim::new(3, config, 20, faults);
     let drain: Vec<i64> = (0..4_000).map(|i| -3_600_000_000 + i * 1_000).collect();
     sim.write(Kind::Expectation, 500 * MS, &drain, 10 * MS, None);
