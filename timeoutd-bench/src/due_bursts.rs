@@ -21,7 +21,9 @@
 //! The clock runs from the deadline, or from when the rows could be seen if that is
 //! later (the commit, the last commit, the first publish: every row was due by then),
 //! to the receipt of the last one. What a shape does to the daemon's pacer shows as the
-//! ratio of its time to the reference's.
+//! ratio of its time to the reference's; for delayed messages that ratio counts from the
+//! last publisher confirm (every message stored and due by then), as rows count from
+//! their commit.
 
 use crate::prelude::*;
 use crate::*;
@@ -179,7 +181,10 @@ pub(crate) async fn due_bursts(
     outcome?;
     let reference = shapes[0].arrival.last_ms;
     for s in &mut shapes {
-        s.vs_ahead = s.arrival.last_ms / reference;
+        // Delayed messages are judged from the last confirm, when every one was stored
+        // and due, as rows are from their commit: before it, the clock counts the
+        // publisher's pace, not the daemon's.
+        s.vs_ahead = s.after_confirms_ms.unwrap_or(s.arrival.last_ms) / reference;
     }
     Ok(DueBursts {
         rows: n,
