@@ -57,9 +57,9 @@ use crate::kind::Kind;
 use crate::store::{NextDue, Window};
 
 /// How often a *sweep* (a backlog batch from the start of the due index) looks for rows
-/// behind where the scan stands that no notification placed (see the module docs). A sweep walks the index entries
-/// of the rows deleted so far, in a batch task of its own; probes never do while
-/// notifications arrive and the scan knows where it stands.
+/// behind where the scan stands that no notification placed (see the module docs). A
+/// sweep walks the index entries of the rows deleted so far, in a batch task of its own;
+/// probes never do while notifications arrive and the scan knows where it stands.
 pub(crate) const BACKLOG_RESCAN: Duration = Duration::from_secs(30);
 
 /// Rows overdue by more than this are a backlog.
@@ -683,7 +683,7 @@ impl Pacer {
                         .checked_sub_signed(fresh)
                         .is_some_and(|f| due < f) =>
                 {
-                    k.behind(due - PROBE_ROUNDING);
+                    k.behind();
                     continue;
                 }
                 // Inside a window a batch already holds: it skipped this row.
@@ -798,13 +798,13 @@ impl KindState {
         self.sweep = false;
     }
 
-    /// A row due at `due` waits in the backlog: what batches and probes under way
-    /// learnt is void (as after [`KindState::restart_drain`]): a backlog batch that
-    /// comes back short, begun before, must not end the backlog this row is in.
-    fn behind(&mut self, due: DateTime<Utc>) {
+    /// A row told of (see [`KindState::told`], which placed the scan before it) waits in
+    /// the backlog: what batches and probes under way learnt is void (as after
+    /// [`KindState::restart_drain`]): a backlog batch that comes back short, begun before,
+    /// must not end the backlog this row is in.
+    fn behind(&mut self) {
         self.backlog = true;
         self.void();
-        self.from = self.from.map(|from| from.min(due));
     }
 
     /// What every batch and probe under way learnt is void.
