@@ -17,6 +17,10 @@ use crate::common::{Inbox, PATIENCE, World, wait_active, wait_for};
 /// tests look for lasted as long as a sweep (30 s); a loaded machine is slow, not silent.
 const SILENCE: chrono::Duration = chrono::Duration::seconds(8);
 
+/// The latest any row may arrive after every row was written and due: each burst drains
+/// in about a second here; a row left for a sweep would wait up to 30 s.
+const LATE: chrono::Duration = chrono::Duration::seconds(15);
+
 /// Rows per burst: with batches of 20, more than the on-time lane takes while they are
 /// fresh, so most of each burst drains as a backlog.
 const ROWS: i64 = 4_000;
@@ -180,6 +184,10 @@ async fn burst(world: &World, shape: Shape, inboxes: &Inboxes) {
     assert_eq!(counts.len(), n, "{shape:?}: distinct messages");
     assert!(counts.values().all(|c| *c == 1), "{shape:?}: each once");
     let mut at: Vec<DateTime<Utc>> = got.iter().map(|r| r.at).collect();
+    // From when the last row was written, or came due.
+    let start = written
+        .committed
+        .max(written.due.values().max().copied().expect("rows"));
     for r in &got {
         let due = written
             .due
@@ -190,13 +198,15 @@ async fn burst(world: &World, shape: Shape, inboxes: &Inboxes) {
             "{shape:?}: received {} before its due time {due}",
             r.at
         );
+        assert!(
+            r.at - start < LATE,
+            "{shape:?}: {} arrived {} ms after every row was written and due",
+            r.message_id(),
+            (r.at - start).num_milliseconds()
+        );
     }
     at.sort_unstable();
-    // From when the last row was written, or came due, to the first receipt, and
-    // between receipts.
-    let start = written
-        .committed
-        .max(written.due.values().max().copied().expect("rows"));
+    // The longest silence: from `start` to the first receipt, and between receipts.
     let mut silence = (at[0] - start).max(chrono::Duration::zero());
     for pair in at.windows(2) {
         silence = silence.max(pair[1] - pair[0]);
