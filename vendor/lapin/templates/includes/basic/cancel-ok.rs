@@ -1,0 +1,1 @@
+/// Server confirmation that the consumer identified by the consumer tag has been cancelled.

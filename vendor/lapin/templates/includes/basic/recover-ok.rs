@@ -1,0 +1,1 @@
+/// Server confirmation that unacknowledged messages have been requeued.

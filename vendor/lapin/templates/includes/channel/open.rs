@@ -1,0 +1,1 @@
+/// Open a new channel on the connection, identified by its channel number.

@@ -1,0 +1,1 @@
+/// Server proposal for connection parameters: maximum channel count, maximum frame size, and heartbeat interval.
