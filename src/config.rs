@@ -52,6 +52,7 @@ pub struct Settings {
     pub postgres: Postgres,
     pub election: Election,
     pub scan: Scan,
+    pub timeouts: Timeouts,
     pub http: Http,
     pub log: Log,
     pub backoff: Backoff,
@@ -227,6 +228,19 @@ pub struct Election {
 pub enum AnnounceRule {
     Lowest,
     All,
+}
+
+/// Where TimeOuts may go (contract section 8), judged when a row is written through
+/// the SQL API and again when it fires.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Timeouts {
+    /// Exchanges (names or glob patterns) a TimeOut may be published to. The
+    /// announcement and ingress exchanges never; `amq.*` only when named exactly.
+    #[serde(deserialize_with = "names")]
+    pub allowed_exchanges: Vec<String>,
+    /// The default exchange `""` (straight into any queue by name) as a destination.
+    pub allow_default_exchange: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -552,6 +566,7 @@ impl Settings {
             ));
         }
         self.delay_destinations()?;
+        self.timeout_destinations()?;
         if self.delay.max_delay.is_zero() || self.delay.max_delay > MAX_MAX_DELAY {
             return Err(ConfigError::invalid(
                 "delay.max_delay",
@@ -617,6 +632,23 @@ impl Settings {
                 ConfigError::invalid("delay.allowed_exchanges", e.to_string())
             }
         })
+    }
+
+    /// Where TimeOuts may go (the rule, built from `timeouts.*`, `delay.exchange` and
+    /// `amqp.announce_exchange`); refused when a pattern is not one.
+    pub fn timeout_destinations(&self) -> Result<Destinations, ConfigError> {
+        Destinations::for_timeouts(
+            Names {
+                target: "",
+                allowed: &[],
+                announce: &self.amqp.announce_exchange,
+                ingress_template: &self.delay.exchange,
+                ingress: &self.delay_exchange(),
+            },
+            &self.timeouts.allowed_exchanges,
+            self.timeouts.allow_default_exchange,
+        )
+        .map_err(|e| ConfigError::invalid("timeouts.allowed_exchanges", e.to_string()))
     }
 
     /// `delay.exchange` with `{group}` replaced: the ingress exchange and queue name.

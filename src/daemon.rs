@@ -254,7 +254,9 @@ async fn supervise(
     let task = set.spawn(async move { (Task::Http, http.run().await.map(|()| Exit::Stopped)) });
     running.push((task.id(), Task::Http));
     let stores = [store.clone(), tasks.observer.clone()];
-    if settings.postgres.migrate_on_start && !migrate(&settings, &store, &stops, &stores).await {
+    let by = format!("node {}", tasks.scan.node_id);
+    if settings.postgres.migrate_on_start && !migrate(&settings, &by, &store, &stops, &stores).await
+    {
         return finish(set, running, &stores, &bus, &stops.stopping, Exit::Stopped).await;
     }
     let (node, scan) = (tasks.node, tasks.scan);
@@ -428,11 +430,17 @@ async fn close(stores: &[Store], bus: &watch::Receiver<Option<Arc<Bus>>>, stoppi
 /// Apply the migrations, retrying with backoff while the database is unreachable. False
 /// when a stop was asked first: a migration cut short is rolled back with its session,
 /// and applied at the next start.
-async fn migrate(settings: &Settings, store: &Store, stops: &Stops, stores: &[Store]) -> bool {
+async fn migrate(
+    settings: &Settings,
+    by: &str,
+    store: &Store,
+    stops: &Stops,
+    stores: &[Store],
+) -> bool {
     let mut backoff = Backoff::new(settings.backoff.min, settings.backoff.max);
     loop {
         // Dropped only after the stop has begun, so its connection is closed, not tested.
-        let migrating = store.migrate();
+        let migrating = store.migrate_for(settings, by);
         tokio::pin!(migrating);
         let migrated = tokio::select! {
             _ = stops.asked.cancelled() => None,

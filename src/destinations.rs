@@ -1,19 +1,38 @@
-//! Where a delayed message may go (contract section 8). The daemon publishes with its own
-//! broker rights on behalf of publishers who may hold far fewer: the exchange a message
-//! names is judged here, once at ingest and again at delivery (rows stored by an earlier
-//! version, or under an earlier configuration), by the one rule below.
+//! Where what timeoutd publishes may go (contract section 8): delayed messages and
+//! TimeOuts. The daemon publishes with its own broker rights on behalf of publishers who
+//! may hold far fewer: the exchange a message or a row names is judged here, at ingest,
+//! again at delivery (rows written directly, by an earlier version, or under an earlier
+//! configuration), and, in the form [`Destinations::sql`] gives, at the SQL door.
 
 use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
 
-/// The exchanges delayed messages may be delivered to.
+/// The exchanges one kind of message may be delivered to.
 #[derive(Debug, Clone)]
 pub struct Destinations {
+    /// What is delivered, for the reasons given.
+    what: &'static str,
+    /// The setting that allows more, for the reasons given.
+    setting: &'static str,
     target: String,
     allowed: GlobSet,
+    /// The patterns of `allowed`, for the SQL form.
+    patterns: Vec<String>,
+    /// Names refused by default that the setting names exactly (TimeOuts only).
+    explicit: Vec<String>,
     announce: String,
     ingress: String,
+    /// `delay.exchange` as configured.
+    ingress_template: String,
     /// Every group's ingress: `delay.exchange` with `{group}` as a wildcard.
     any_ingress: GlobSet,
+}
+
+/// A rule in the form the SQL door reads (POSIX regular expressions, as Postgres' `~`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SqlRule {
+    pub allowed: String,
+    pub explicit: Vec<String>,
+    pub never: String,
 }
 
 /// The names a deployment's [`Destinations`] are made of.
@@ -45,6 +64,17 @@ const GROUP: &str = "{group}";
 
 impl Destinations {
     pub fn new(n: Names<'_>) -> Result<Self, DestinationError> {
+        let destinations = Self::build(n)?;
+        if let Some(why) = destinations.never(n.target) {
+            return Err(DestinationError::Target(format!(
+                "{:?} can never receive delayed messages: {why}",
+                n.target
+            )));
+        }
+        Ok(destinations)
+    }
+
+    fn build(n: Names<'_>) -> Result<Self, DestinationError> {
         let mut allowed = GlobSetBuilder::new();
         for pattern in n.allowed {
             allowed.add(glob(pattern)?);
@@ -55,33 +85,62 @@ impl Destinations {
             .map(globset::escape)
             .collect::<Vec<_>>()
             .join("*");
-        let destinations = Self {
+        Ok(Self {
+            what: "delayed messages",
+            setting: "is not delay.target_exchange and matches no delay.allowed_exchanges",
             target: n.target.to_owned(),
             allowed: build(allowed)?,
+            patterns: n.allowed.to_vec(),
+            explicit: Vec::new(),
             announce: n.announce.to_owned(),
             ingress: n.ingress.to_owned(),
+            ingress_template: n.ingress_template.to_owned(),
             any_ingress: build({
                 let mut b = GlobSetBuilder::new();
                 b.add(glob(&any_ingress)?);
                 b
             })?,
-        };
-        if let Some(why) = destinations.never(n.target) {
-            return Err(DestinationError::Target(format!(
-                "{:?} can never receive delayed messages: {why}",
-                n.target
-            )));
-        }
-        Ok(destinations)
+        })
+    }
+
+    /// The rule for TimeOuts: what `allowed` (`timeouts.allowed_exchanges`, names or
+    /// patterns) matches, but never the announcement or an ingress exchange, and the
+    /// default exchange or an `amq.*` one only as a deployment's conscious choice: when
+    /// `default_exchange` (`timeouts.allow_default_exchange`), or named exactly in
+    /// `allowed`. `n.target` and `n.allowed` are not read.
+    pub fn for_timeouts(
+        n: Names<'_>,
+        allowed: &[String],
+        default_exchange: bool,
+    ) -> Result<Self, DestinationError> {
+        let mut rule = Self::build(Names {
+            target: "",
+            allowed,
+            ..n
+        })?;
+        rule.what = "TimeOuts";
+        rule.setting = "matches no timeouts.allowed_exchanges";
+        rule.explicit = allowed
+            .iter()
+            .filter(|a| a.starts_with("amq.") && !a.contains(['*', '?', '[', '{', '\\']))
+            .cloned()
+            .chain(default_exchange.then(String::new))
+            .collect();
+        Ok(rule)
     }
 
     /// Allows nothing: what a node falls back to if its settings were never validated.
     pub fn nowhere() -> Self {
         Self {
+            what: "messages",
+            setting: "is allowed by no valid setting",
             target: String::new(),
             allowed: GlobSet::empty(),
+            patterns: Vec::new(),
+            explicit: Vec::new(),
             announce: String::new(),
             ingress: String::new(),
+            ingress_template: String::new(),
             any_ingress: GlobSet::empty(),
         }
     }
@@ -91,20 +150,63 @@ impl Destinations {
         &self.target
     }
 
-    /// The rule: `Err` says why `exchange` may not receive a delayed message.
+    /// The rule: `Err` says why `exchange` may not receive the message.
     pub fn check(&self, exchange: &str) -> Result<(), String> {
         if let Some(why) = self.never(exchange) {
+            if self.explicit.iter().any(|e| e == exchange) && !self.steers(exchange) {
+                return Ok(());
+            }
             return Err(format!(
-                "exchange {exchange:?} never receives delayed messages ({why})"
+                "exchange {exchange:?} never receives {} ({why})",
+                self.what
             ));
         }
         if (!self.target.is_empty() && exchange == self.target) || self.allowed.is_match(exchange) {
             return Ok(());
         }
-        Err(format!(
-            "exchange {exchange:?} is not delay.target_exchange and matches no \
-             delay.allowed_exchanges"
-        ))
+        Err(format!("exchange {exchange:?} {}", self.setting))
+    }
+
+    /// The rule as the SQL door reads it (migration 0011's `api_rules`): POSIX regular
+    /// expressions of what is allowed and of the announcement and ingress exchanges,
+    /// and the names allowed despite the default refusal.
+    pub fn sql(&self) -> SqlRule {
+        let allowed = std::iter::once(&self.target)
+            .filter(|t| !t.is_empty())
+            .map(|t| format!("^{}$", are_escape(t)))
+            .chain(
+                self.patterns
+                    .iter()
+                    .map(|p| format!("^{}$", glob_to_are(p))),
+            )
+            .collect::<Vec<_>>();
+        SqlRule {
+            allowed: if allowed.is_empty() {
+                "^$".to_owned()
+            } else {
+                allowed.join("|")
+            },
+            explicit: self.explicit.clone(),
+            never: format!(
+                "^{}$|^{}$|^{}$",
+                are_escape(&self.announce),
+                are_escape(&self.ingress),
+                self.any_ingress_pattern()
+            ),
+        }
+    }
+
+    /// The announcement exchange and the ingress exchanges: refused even when named.
+    fn steers(&self, exchange: &str) -> bool {
+        exchange == self.announce || exchange == self.ingress || self.any_ingress.is_match(exchange)
+    }
+
+    fn any_ingress_pattern(&self) -> String {
+        self.ingress_template
+            .split(GROUP)
+            .map(are_escape)
+            .collect::<Vec<_>>()
+            .join(".*")
     }
 
     /// Exchanges refused whatever is configured, and why.
@@ -121,6 +223,68 @@ impl Destinations {
             None
         }
     }
+}
+
+/// A name as a POSIX regular expression matching exactly it.
+fn are_escape(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        if "\\^$.|?*+()[]{}".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A glob pattern, as [`glob`] reads it, as a POSIX regular expression (unanchored).
+fn glob_to_are(pattern: &str) -> String {
+    let mut out = String::new();
+    let mut chars = pattern.chars().peekable();
+    let mut alternatives = 0usize;
+    while let Some(c) = chars.next() {
+        match c {
+            '*' => out.push_str(".*"),
+            '?' => out.push('.'),
+            '\\' => {
+                if let Some(n) = chars.next() {
+                    out.push_str(&are_escape(&n.to_string()));
+                }
+            }
+            '[' => {
+                out.push('[');
+                if chars.next_if(|&n| n == '!' || n == '^').is_some() {
+                    out.push('^');
+                }
+                // A `]` first is a member, as in globset.
+                if chars.next_if_eq(&']').is_some() {
+                    out.push_str("\\]");
+                }
+                for n in chars.by_ref() {
+                    if n == ']' {
+                        break;
+                    }
+                    if n == '\\' {
+                        out.push_str("\\\\");
+                    } else {
+                        out.push(n);
+                    }
+                }
+                out.push(']');
+            }
+            '{' => {
+                alternatives += 1;
+                out.push_str("(?:");
+            }
+            ',' if alternatives > 0 => out.push('|'),
+            '}' if alternatives > 0 => {
+                alternatives -= 1;
+                out.push(')');
+            }
+            c => out.push_str(&are_escape(&c.to_string())),
+        }
+    }
+    out
 }
 
 /// Case-sensitive, as exchange names are; `*` also matches dots.
@@ -144,6 +308,8 @@ fn build(b: GlobSetBuilder) -> Result<GlobSet, DestinationError> {
 
 #[cfg(test)]
 mod tests {
+    use regex_automata::meta::Regex;
+
     use super::*;
 
     fn rule(allowed: &[&str]) -> Destinations {
@@ -236,6 +402,111 @@ mod tests {
             ingress: "i",
         });
         assert!(matches!(e, Err(DestinationError::Pattern { .. })), "{e:?}");
+    }
+
+    fn timeouts(allowed: &[&str], default_exchange: bool) -> Destinations {
+        let allowed: Vec<String> = allowed.iter().map(|s| (*s).to_owned()).collect();
+        Destinations::for_timeouts(
+            Names {
+                target: "",
+                allowed: &[],
+                announce: "timeoutd.announcements",
+                ingress_template: "timeoutd.delay.{group}",
+                ingress: "timeoutd.delay.g1",
+            },
+            &allowed,
+            default_exchange,
+        )
+        .expect("valid")
+    }
+
+    #[test]
+    fn timeouts_go_anywhere_allowed_but_never_where_they_steer() {
+        let r = timeouts(&["*"], false);
+        assert_eq!(r.check("orders"), Ok(()));
+        for never in [
+            "",
+            "amq.direct",
+            "timeoutd.announcements",
+            "timeoutd.delay.x",
+        ] {
+            let why = r.check(never).expect_err(never);
+            assert!(why.contains("never receives TimeOuts"), "{why}");
+        }
+        let r = timeouts(
+            &["orders.*", "amq.direct", "amq.*", "timeoutd.announcements"],
+            true,
+        );
+        for ok in ["", "amq.direct", "orders.eu"] {
+            assert_eq!(r.check(ok), Ok(()), "{ok:?}");
+        }
+        for no in [
+            "amq.topic",
+            "timeoutd.announcements",
+            "timeoutd.delay.g1",
+            "billing",
+        ] {
+            assert!(r.check(no).is_err(), "{no}");
+        }
+    }
+
+    /// The SQL door's regular expressions say what the rule says, checked with Rust's
+    /// regex engine (whose syntax for these constructs is Postgres' too; the SQL tests
+    /// run them in Postgres).
+    #[test]
+    fn the_sql_form_is_the_same_rule() {
+        let names = [
+            "",
+            "orders",
+            "orders2",
+            "billing.out",
+            "billing",
+            "team-a.out",
+            "team-c.out",
+            "a]b.x",
+            "amq.direct",
+            "amq.topic",
+            "timeoutd.delayed",
+            "timeoutd.announcements",
+            "timeoutd.delay.g1",
+            "timeoutd.delay.",
+            "timeoutd.delay.x.y",
+            "x{y}",
+            "q.e.d",
+            "a*b",
+            "a\\b",
+        ];
+        let rules = [
+            rule(&[]),
+            rule(&[
+                "orders",
+                "billing.*",
+                "team-[ab].out",
+                "{x,q}.*",
+                "a\\*b",
+                "[]a]b.?",
+            ]),
+            timeouts(&["*"], true),
+            timeouts(&["orders", "amq.direct"], false),
+        ];
+        for r in &rules {
+            let sql = r.sql();
+            let allowed = Regex::new(&sql.allowed).expect("allowed");
+            let never = Regex::new(&sql.never).expect("never");
+            // As migration 0011's api_destination() reads them.
+            for name in names {
+                let by_sql = if never.is_match(name) {
+                    false
+                } else if sql.explicit.iter().any(|e| e == name) {
+                    true
+                } else if name.is_empty() || name.starts_with("amq.") {
+                    false
+                } else {
+                    allowed.is_match(name)
+                };
+                assert_eq!(r.check(name).is_ok(), by_sql, "{name:?} by {sql:?}");
+            }
+        }
     }
 
     #[test]

@@ -29,7 +29,9 @@ use crate::health::{Check, Health};
 use crate::metrics::Metrics;
 use crate::shutdown::Stopping;
 use crate::status::Status;
-use crate::store::{Store, StoreError, bounded};
+use crate::store::{ApiRules, Store, StoreError, bounded};
+use crate::wire::Message;
+use crate::wire::sign::Signer;
 
 mod batch;
 mod checks;
@@ -79,8 +81,15 @@ pub(crate) struct Limits {
     confirm_timeout: Duration,
     /// Client-side bound on a database step (`statement_timeout` + `connect_timeout`).
     db_bound: Duration,
+    /// Where TimeOuts may go, judged before each is sent (rows written directly
+    /// bypass the SQL door's check).
+    timeouts: Destinations,
     /// Where delayed messages may go, judged again before each is sent.
-    destinations: Destinations,
+    delayed: Destinations,
+    /// What the SQL door allows, from the same settings.
+    api_rules: Option<ApiRules>,
+    /// Signs each message last, when `amqp.signing_key` is set.
+    signer: Option<Signer>,
 }
 
 impl Limits {
@@ -94,11 +103,26 @@ impl Limits {
             budget: settings.batch_budget(),
             confirm_timeout: settings.amqp.confirm_timeout,
             db_bound: settings.db_bound(),
-            destinations: settings.delay_destinations().unwrap_or_else(|e| {
+            timeouts: settings.timeout_destinations().unwrap_or_else(|e| {
+                tracing::error!(error = %e, "TimeOuts will be held, not published");
+                Destinations::nowhere()
+            }),
+            delayed: settings.delay_destinations().unwrap_or_else(|e| {
                 tracing::error!(error = %e, "delayed messages will be held, not delivered");
                 Destinations::nowhere()
             }),
+            api_rules: ApiRules::new(settings),
+            signer: Signer::from_settings(settings),
         }
+    }
+
+    /// `m` with its signature header, when messages are signed: added to its final
+    /// properties, before the bus measures and publishes it.
+    fn signed(&self, mut m: Message) -> Message {
+        if let Some(signer) = &self.signer {
+            signer.sign(&mut m);
+        }
+        m
     }
 }
 

@@ -27,7 +27,7 @@ mod hosts;
 mod settle;
 mod sqlstate;
 
-pub use api::Refusal;
+pub use api::{ApiRules, Refusal};
 pub use delayed::{
     Bound, DelayedRow, Due, Held, Ingest, IngestOutcome, PendingDelayed, Quota, Stored,
     lock_delayed_sql,
@@ -432,6 +432,20 @@ impl Store {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// [`Store::migrate`], then write what the SQL door allows from `settings` (by
+    /// `by`, a node or the command line), so the door follows them from the first call.
+    pub async fn migrate_for(
+        &self,
+        settings: &config::Settings,
+        by: &str,
+    ) -> Result<(), StoreError> {
+        self.migrate().await?;
+        if let Some(rules) = ApiRules::new(settings) {
+            self.write_api_rules(&rules, by).await?;
+        }
+        Ok(())
     }
 
     /// Create the schema and apply the embedded migrations. The migrator holds an

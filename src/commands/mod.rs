@@ -140,7 +140,10 @@ pub(crate) fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
 
 async fn migrate(settings: &Settings, json: bool) -> anyhow::Result<ExitCode> {
     let store = Store::connect(&settings.postgres)?;
-    store.migrate().await.context("applying migrations")?;
+    store
+        .migrate_for(settings, "timeoutd migrate")
+        .await
+        .context("applying migrations")?;
     if json {
         print_json(&serde_json::json!({ "migrated": true, "schema": store.schema() }))?;
     } else {

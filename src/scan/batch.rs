@@ -427,7 +427,7 @@ impl<'a, R: Row> Batch<'a, R> {
     fn push(&mut self, sending: &mut Sending, i: usize) {
         let row = &self.rows[i];
         let scan = self.scan;
-        match row.message(scan.node_id, &scan.limits.destinations) {
+        match row.message(scan.node_id, &scan.limits) {
             Ok(message) => {
                 let alone = scan.memory.suspect(row.common().id);
                 sending.push(i, ToPublish { message, alone });

@@ -7,8 +7,8 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use super::Limits;
 use crate::bus::PublishError;
-use crate::destinations::Destinations;
 use crate::kind::Kind;
 use crate::store::{DelayedRow, DueRow, Store, StoreError};
 use crate::wire::{self, Message};
@@ -28,9 +28,9 @@ pub(crate) trait Row:
         max: usize,
     ) -> impl Future<Output = Result<usize, StoreError>> + Send;
 
-    /// The message the row becomes, sent by `node`; a delayed message only where
-    /// `destinations` allow.
-    fn message(&self, node: Uuid, destinations: &Destinations) -> Result<Message, PublishError>;
+    /// The message the row becomes, sent by `node`, only where the kind's destination
+    /// rule in `limits` allows.
+    fn message(&self, node: Uuid, limits: &Limits) -> Result<Message, PublishError>;
 
     /// Size of the content left in the database, if it was left there (0: not known
     /// until read).
@@ -98,8 +98,15 @@ impl Row for DueRow {
         store.payload(tx, self, max).await
     }
 
-    fn message(&self, node: Uuid, _: &Destinations) -> Result<Message, PublishError> {
-        wire::timeout::timeout(self, node).map_err(|e| PublishError::Invalid(e.0))
+    /// Judged here, not only by `expect()`: rows written to the table directly.
+    fn message(&self, node: Uuid, limits: &Limits) -> Result<Message, PublishError> {
+        limits
+            .timeouts
+            .check(&self.exchange)
+            .map_err(PublishError::NotAllowed)?;
+        wire::timeout::timeout(self, node)
+            .map(|m| limits.signed(m))
+            .map_err(|e| PublishError::Invalid(e.0))
     }
 
     fn withheld(&self) -> Option<usize> {
@@ -133,11 +140,14 @@ impl Row for DelayedRow {
 
     /// Judged again here, not only at ingest: rows stored by an earlier version, under
     /// an earlier configuration, or released by an operator.
-    fn message(&self, node: Uuid, destinations: &Destinations) -> Result<Message, PublishError> {
-        destinations
+    fn message(&self, node: Uuid, limits: &Limits) -> Result<Message, PublishError> {
+        limits
+            .delayed
             .check(&self.exchange)
             .map_err(PublishError::NotAllowed)?;
-        wire::delayed::delivery(self, node).map_err(|e| PublishError::Invalid(e.0))
+        wire::delayed::delivery(self, node)
+            .map(|m| limits.signed(m))
+            .map_err(|e| PublishError::Invalid(e.0))
     }
 
     fn withheld(&self) -> Option<usize> {

@@ -57,6 +57,7 @@ pub(crate) async fn run(scan: Arc<Scan>) {
                 // The look at every kind after LISTEN, and the pacer's probing every tick
                 // until then, cover what was written before.
                 scan.store.lean(false);
+                tokio::spawn(write_api_rules(scan.clone()));
                 let listener = tokio::spawn(notice::listen(
                     scan.clone(),
                     tx.clone(),
@@ -215,6 +216,24 @@ impl InFlight {
 struct Probed {
     at: Instant,
     next: Result<NextDue, String>,
+}
+
+/// The SQL door follows the configuration that fires: each spell as the active node
+/// writes its rules (destinations, bounds), if they differ from what the door has.
+async fn write_api_rules(scan: Arc<Scan>) {
+    let Some(rules) = &scan.limits.api_rules else {
+        return;
+    };
+    let node = scan.node_id.to_string();
+    let write = scan.store.write_api_rules(rules, &node);
+    match scan.db(scan.limits.db_bound, write).await {
+        Ok(true) => tracing::info!("the SQL API's rules written from this node's settings"),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(
+            error = %Chain(&e),
+            "the SQL API's rules not written: expect() and schedule_delayed() keep the rules they have"
+        ),
+    }
 }
 
 /// What one spell as the active node keeps.

@@ -9,10 +9,14 @@
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::{Due, Store, StoreError, safe};
+use crate::config::Settings;
+use crate::destinations::SqlRule;
 
 /// Why the database refused a verb (its SQLSTATE), as [`StoreError::Refused`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +54,7 @@ pub(super) struct Statements {
     reschedule_delayed: Arc<str>,
     release_delayed: Arc<str>,
     retry_delayed: Arc<str>,
+    write_rules: Arc<str>,
 }
 
 impl Statements {
@@ -75,9 +80,61 @@ impl Statements {
             reschedule_delayed: reschedule("reschedule_delayed", "$1, t.at, $4"),
             release_delayed: call("release_delayed", "$1, $2"),
             retry_delayed: call("retry_delayed", "$1, $2"),
+            // Written only when it differs: nodes of one configuration do not keep
+            // rewriting the row.
+            write_rules: format!(
+                "UPDATE {schema}.api_rules SET timeout_exchanges = $1, timeout_explicit = $2, \
+                 delayed_exchanges = $3, never_exchanges = $4, max_body = $5, \
+                 max_delay = make_interval(secs => $6::float8), max_pending_per_owner = $7, \
+                 max_bytes_per_owner = $8, max_properties = $9, max_headers = $10, \
+                 written_at = now(), written_by = $11 \
+                 WHERE (timeout_exchanges, timeout_explicit, delayed_exchanges, never_exchanges, \
+                 max_body, max_delay, max_pending_per_owner, max_bytes_per_owner, max_properties, \
+                 max_headers) IS DISTINCT FROM ($1, $2, $3, $4, $5, \
+                 make_interval(secs => $6::float8), $7, $8, $9, $10)"
+            )
+            .into(),
         }
     }
 }
+
+/// What the SQL door allows (migration 0011's `api_rules`), as one node's settings say:
+/// the active node writes it when it takes over, so the door follows the configuration
+/// that fires.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiRules {
+    pub timeouts: SqlRule,
+    pub delayed: SqlRule,
+    pub max_body: u64,
+    pub max_delay: Duration,
+    pub max_pending_per_owner: u64,
+    pub max_bytes_per_owner: u64,
+    pub max_properties: u32,
+    pub max_headers: u32,
+}
+
+impl ApiRules {
+    /// `None` when the settings hold no valid destination rule (they were never
+    /// validated): the door then keeps what it has.
+    pub fn new(settings: &Settings) -> Option<Self> {
+        let d = &settings.delay;
+        Some(Self {
+            timeouts: settings.timeout_destinations().ok()?.sql(),
+            delayed: settings.delay_destinations().ok()?.sql(),
+            max_body: d.max_body.as_u64(),
+            max_delay: d.max_delay,
+            max_pending_per_owner: d.max_pending_per_owner,
+            max_bytes_per_owner: d.max_bytes_per_owner.as_u64(),
+            max_properties: MAX_PROPERTIES,
+            max_headers: MAX_HEADERS,
+        })
+    }
+}
+
+/// Largest properties a SQL caller may store, as JSON text.
+pub const MAX_PROPERTIES: u32 = 64 * 1024;
+/// Most headers a SQL caller may give one message.
+pub const MAX_HEADERS: u32 = 256;
 
 /// `Due` as the reschedule statements bind it (`$2`, `$3`).
 fn binds(due: Due) -> (Option<DateTime<Utc>>, Option<f64>) {
@@ -166,6 +223,28 @@ impl Store {
     pub async fn retry_expectation(&self, id: Uuid) -> Result<bool, StoreError> {
         let sql = &self.sql.api.retry_expectation;
         self.verb(sql, |q| q.bind(id)).await
+    }
+
+    /// Write what the SQL door allows, by `node`, unless it says so already. `true`:
+    /// written.
+    pub async fn write_api_rules(&self, rules: &ApiRules, node: &str) -> Result<bool, StoreError> {
+        let big = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let done = sqlx::query(safe(&self.sql.api.write_rules))
+            .bind(&rules.timeouts.allowed)
+            .bind(&rules.timeouts.explicit)
+            .bind(&rules.delayed.allowed)
+            .bind(&rules.delayed.never)
+            .bind(big(rules.max_body))
+            .bind(rules.max_delay.as_secs_f64())
+            .bind(big(rules.max_pending_per_owner))
+            .bind(big(rules.max_bytes_per_owner))
+            .bind(i32::try_from(rules.max_properties).unwrap_or(i32::MAX))
+            .bind(i32::try_from(rules.max_headers).unwrap_or(i32::MAX))
+            .bind(node)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.seen(e))?;
+        Ok(done.rows_affected() > 0)
     }
 
     /// `cancel_delayed(message_id, owner)`: `true` when it was pending. `owner` `None`:

@@ -315,15 +315,8 @@ impl Statements {
                  count(*) AS rows FROM {u} WHERE owner = ANY($4) GROUP BY owner) AS x)"
             )
             .into(),
-            // Folds the owners' ledger rows into one each; rows another fold holds are
-            // skipped, never waited for.
-            fold: format!(
-                "WITH gone AS (DELETE FROM {u} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {u} \
-                 WHERE owner = ANY($1) FOR UPDATE SKIP LOCKED)) RETURNING owner, messages, bytes) \
-                 INSERT INTO {u} (owner, messages, bytes) \
-                 SELECT owner, sum(messages), sum(bytes) FROM gone GROUP BY owner"
-            )
-            .into(),
+            // Folds the owners' ledger rows into one each (the rule is migration 0011's).
+            fold: format!("SELECT {schema}.delayed_usage_fold($1)").into(),
             // One statement per batch; a message_id its owner has pending already (a
             // redelivery after a crash between commit and ack, or a duplicate in the
             // batch) adds nothing, and neither does one its owner's cancel message named

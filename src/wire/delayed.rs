@@ -30,6 +30,17 @@ pub const USER_ID_HEADER: &str = "x-timeoutd-user-id";
 /// Headers of ours, removed from what the publisher sent, in any letter case.
 const OURS: &str = "x-timeoutd-";
 
+/// The owner of what broker user `user_id` publishes: its name, unless that would read
+/// as a SQL role's (`sql:<role>`, migration 0009) or as this escape itself, which are
+/// owned under `amqp:`: a broker user can never act on a SQL role's messages.
+pub fn broker_owner(user_id: Option<&str>) -> String {
+    match user_id {
+        None => String::new(),
+        Some(u) if u.starts_with("sql:") || u.starts_with("amqp:") => format!("amqp:{u}"),
+        Some(u) => u.to_owned(),
+    }
+}
+
 /// The group's settings an arriving message is judged by.
 #[derive(Debug, Clone)]
 pub struct Rules {
@@ -62,7 +73,7 @@ pub fn ingest(message: Message, rules: &Rules, now: DateTime<Utc>) -> Ingest {
         ..
     } = message;
     // The broker refuses a user_id that is not the publishing connection's own user.
-    let owner = properties.user_id.clone().unwrap_or_default();
+    let owner = broker_owner(properties.user_id.as_deref());
     if let Some(id) = properties
         .header(CANCEL_HEADER)
         .and_then(Value::as_str)

@@ -243,6 +243,12 @@ impl World {
                 "TIMEOUTD__HTTP__LISTEN".to_owned(),
                 "127.0.0.1:0".to_owned(),
             ),
+            // Inboxes are queues on the default exchange: a deployment's conscious
+            // choice, and this suite's (tests/it/sql_principals.rs runs without it).
+            (
+                "TIMEOUTD__TIMEOUTS__ALLOW_DEFAULT_EXCHANGE".to_owned(),
+                "true".to_owned(),
+            ),
         ];
         if pooler.is_some() {
             env.push((SESSION.to_owned(), pg_url()));
@@ -262,8 +268,9 @@ impl World {
 
     /// Create the schema (what `timeoutd run` does at start) without a daemon.
     pub async fn migrate(&self) {
-        let store = timeoutd::store::Store::connect(&self.settings().postgres).expect("store");
-        store.migrate().await.expect("migrate");
+        let settings = self.settings();
+        let store = timeoutd::store::Store::connect(&settings.postgres).expect("store");
+        store.migrate_for(&settings, "test").await.expect("migrate");
         store.close().await;
     }
 

@@ -29,6 +29,7 @@ mod principals;
 mod proxy;
 mod sql_api;
 mod stopping;
+mod sql_principals;
 mod tls;
 mod trust_delay;
 mod trust_election;

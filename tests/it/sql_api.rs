@@ -271,15 +271,33 @@ async fn release_and_retry_act_only_on_rows_in_their_state() {
     assert_eq!(n, 2);
     assert_eq!(world.count("process_id = 'p-b'").await, 1);
 
-    // Written through the API to the default exchange, straight at a queue: held when
-    // it falls due, never delivered; released, it is judged again and held again.
-    let sneaky: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT {s}.publish_at_commit('', '{}', 'x'::bytea)",
+    // Through the API to the default exchange, straight at a queue: refused at the call.
+    let refused = call(format!(
+        "SELECT {s}.publish_at_commit('', '{}', 'x'::bytea) IS NOT NULL",
         timeouts.queue
-    )))
-    .fetch_one(&world.pool)
+    ))
     .await
-    .expect("publish_at_commit");
+    .expect_err("refused");
+    let code = refused
+        .as_database_error()
+        .and_then(|d| d.code())
+        .map(|c| c.to_string());
+    assert_eq!(code.as_deref(), Some("42501"), "{refused}");
+    // Written to the table directly: held when it falls due, never delivered; released,
+    // it is judged again and held again.
+    let sneaky = "sneaky".to_owned();
+    let owner: String = sqlx::query_scalar("SELECT 'sql:' || session_user")
+        .fetch_one(&world.pool)
+        .await
+        .expect("session_user");
+    world
+        .exec(&format!(
+            "INSERT INTO {s}.delayed_messages (owner, message_id, deliver_at, exchange, \
+             routing_key, properties, body) VALUES ('{owner}', '{sneaky}', now(), '', '{}', \
+             '{{}}', 'x')",
+            timeouts.queue
+        ))
+        .await;
     let held = format!(
         "SELECT count(*) FROM {s}.delayed_messages WHERE message_id = '{sneaky}' \
          AND retry_at = 'infinity'"
@@ -301,10 +319,6 @@ async fn release_and_retry_act_only_on_rows_in_their_state() {
             .expect("attempts")
     };
     let before = attempts().await;
-    let owner: String = sqlx::query_scalar("SELECT 'sql:' || session_user")
-        .fetch_one(&world.pool)
-        .await
-        .expect("session_user");
     assert!(
         call(format!("SELECT {s}.release_delayed('{sneaky}', '{owner}')"))
             .await
@@ -344,7 +358,11 @@ async fn release_and_retry_act_only_on_rows_in_their_state() {
 /// 42501), even when it names the owner; it may act on its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_role_acts_on_its_own_delayed_messages_only() {
-    let world = World::new().await;
+    let mut world = World::new().await;
+    world.overrides.push((
+        "TIMEOUTD__DELAY__TARGET_EXCHANGE".to_owned(),
+        "t.delayed".to_owned(),
+    ));
     world.migrate().await;
     let tag = &Uuid::new_v4().simple().to_string()[..8];
     let (alice, bob) = (format!("td_alice_{tag}"), format!("td_bob_{tag}"));

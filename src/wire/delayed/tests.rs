@@ -409,3 +409,17 @@ fn our_headers_are_removed_in_any_letter_case() {
         "anonymous: no user id"
     );
 }
+
+#[test]
+fn a_broker_user_never_owns_as_a_sql_role() {
+    assert_eq!(broker_owner(None), "");
+    assert_eq!(broker_owner(Some("orders")), "orders");
+    assert_eq!(broker_owner(Some("sql:orders_pm")), "amqp:sql:orders_pm");
+    assert_eq!(
+        broker_owner(Some("amqp:sql:orders_pm")),
+        "amqp:amqp:sql:orders_pm"
+    );
+    let mut m = arriving(vec![], b"x");
+    m.properties.user_id = Some("sql:orders_pm".to_owned());
+    assert_eq!(stored(m).owner, "amqp:sql:orders_pm");
+}
