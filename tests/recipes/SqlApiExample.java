@@ -19,23 +19,27 @@ import java.util.UUID;
 // are called by name. Each takes the caller's connection and runs in its transaction.
 class Orders {
     static String ordersExchange = "orders";              // delay.target_exchange or allowed_exchanges
-    static String timeoutsRoutingKey = "orders.timeouts"; // TimeOuts: default exchange, to this queue
+    static String timeoutsExchange = "orders.timeouts";   // TimeOuts: in timeouts.allowed_exchanges
+    static String timeoutsRoutingKey = "payment.timeout"; // bound there to the process manager's queue
     static String paymentTimeout = "30 minutes";          // a Postgres interval
 
-    /** Start waiting: the TimeOut (message_id = the returned id) goes after `timeout`
-     *  (a Postgres interval) from now, unless cancelled first. */
+    /** Start waiting: the TimeOut (message_id = the returned id) goes to
+     *  exchange/routingKey after `timeout` (a Postgres interval) from now, unless
+     *  cancelled first. */
     static UUID expectTimeout(Connection c, String processId, String messageType,
-            String routingKey, String timeout, String payloadJson, String traceparent)
-            throws SQLException {
+            String exchange, String routingKey, String timeout, String payloadJson,
+            String traceparent) throws SQLException {
         try (PreparedStatement s = c.prepareStatement(
-                "SELECT expect(process_id => ?, message_type => ?, routing_key => ?, "
-                + "timeout_at => now() + ?::interval, payload => ?::jsonb, traceparent => ?)")) {
+                "SELECT expect(process_id => ?, message_type => ?, exchange => ?, "
+                + "routing_key => ?, timeout_at => now() + ?::interval, payload => ?::jsonb, "
+                + "traceparent => ?)")) {
             s.setString(1, processId);
             s.setString(2, messageType);
-            s.setString(3, routingKey);
-            s.setString(4, timeout);
-            s.setString(5, payloadJson);
-            s.setString(6, traceparent);
+            s.setString(3, exchange);
+            s.setString(4, routingKey);
+            s.setString(5, timeout);
+            s.setString(6, payloadJson);
+            s.setString(7, traceparent);
             try (ResultSet r = s.executeQuery()) {
                 r.next();
                 return r.getObject(1, UUID.class);
@@ -78,7 +82,8 @@ class Orders {
         try {
             // ... the application's own writes
             UUID expectationId = expectTimeout(c, "order-" + orderId, "PaymentReceived",
-                    timeoutsRoutingKey, paymentTimeout, "{\"order\": " + orderId + "}", traceparent);
+                    timeoutsExchange, timeoutsRoutingKey, paymentTimeout,
+                    "{\"order\": " + orderId + "}", traceparent);
             publishAtCommit(c, ordersExchange, "orders.placed",
                     ("{\"order\": " + orderId + "}").getBytes(StandardCharsets.UTF_8),
                     "{\"content_type\": \"application/json\", \"headers\": {\"traceparent\": \""
@@ -114,7 +119,7 @@ public class SqlApiExample {
 
     public static void main(String[] args) throws Exception {
         Orders.ordersExchange = System.getenv("OUT_EXCHANGE");
-        Orders.timeoutsRoutingKey = System.getenv("QUEUE");
+        Orders.timeoutsExchange = System.getenv("TIMEOUTS_EXCHANGE");
         Orders.paymentTimeout = "3 seconds";
         String url = System.getenv("APP_JDBC_URL");
         try (Connection c = DriverManager.getConnection(url)) {
@@ -135,7 +140,7 @@ public class SqlApiExample {
                     + "\"cancelled expectation\"}");
             c.setAutoCommit(false);
             UUID rolled = Orders.expectTimeout(c, "order-7002", "PaymentReceived",
-                    Orders.timeoutsRoutingKey, "1 second", null, null);
+                    Orders.timeoutsExchange, Orders.timeoutsRoutingKey, "1 second", null, null);
             String message = Orders.publishAtCommit(c, Orders.ordersExchange, "orders.placed",
                     "{\"order\": 7002}".getBytes(StandardCharsets.UTF_8), "{}");
             c.rollback();

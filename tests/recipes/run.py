@@ -506,14 +506,16 @@ def go_driver():
 
 def run_sqlapi(name, driver, example, lang):
     """Every SQL API function from one language (tests/recipes/sqlapi_drive.*), as login
-    roles granted only <schema>_api, against a timeoutd of its own: what the driver
-    says arrives, arrives once, on time, with its headers; what it says never comes
-    (rolled back, cancelled, held), never does; nothing else arrives."""
+    roles granted only <schema>_api, against a timeoutd of its own, started first (it
+    writes the rules the API judges by): what the driver says arrives, arrives once, on
+    time, with its headers; what it says never comes (rolled back, cancelled, held),
+    never does; nothing else arrives. TimeOuts go to an exchange of their own: the
+    default exchange is refused unless timeouts.allow_default_exchange is set."""
     import psycopg  # the venv's (tests/recipes/requirements.txt)
 
     lines = [check_doc(example, lang)]
     tag = uuid.uuid4().hex[:8]
-    queue, out = f"sqlapi.{tag}", f"sqlapi.{tag}.out"
+    queue, out, timeouts = f"sqlapi.{tag}", f"sqlapi.{tag}.out", f"sqlapi.{tag}.timeouts"
     late, denied = f"sqlapi.{tag}.late", f"sqlapi.{tag}.denied"
     d = Daemon(name, {
         "TIMEOUTD__DELAY__TARGET_EXCHANGE": out,
@@ -527,7 +529,7 @@ def run_sqlapi(name, driver, example, lang):
     with pika.BlockingConnection(params) as c:
         ch = c.channel()
         ch.queue_declare(queue, durable=True)
-        for x in (out, denied):
+        for x in (out, timeouts, denied):
             ch.exchange_declare(x, "topic", durable=True)
             ch.queue_bind(queue, x, "#")
     d.start()
@@ -544,8 +546,9 @@ def run_sqlapi(name, driver, example, lang):
             OTHER_PG_URL=with_user(PG_URL, roles[1], password),
             APP_JDBC_URL=jdbc_url(PG_URL, roles[0], password),
             ADMIN_PG_URL=PG_URL,
-            SCHEMA=d.schema, QUEUE=queue, OUT_EXCHANGE=out, LATE_EXCHANGE=late,
-            DENIED_EXCHANGE=denied, AMQP_URL=AMQP_URL, WORKERS="4", TXNS="8",
+            SCHEMA=d.schema, QUEUE=queue, TIMEOUTS_EXCHANGE=timeouts, OUT_EXCHANGE=out,
+            LATE_EXCHANGE=late, DENIED_EXCHANGE=denied, INGRESS_EXCHANGE=d.ingress,
+            AMQP_URL=AMQP_URL, WORKERS="4", TXNS="8",
             NODE_PATH=str(CACHE / "node" / "node_modules"),
         )
         proc, ev = spawn(name, driver, env, CACHE / f"{name}.log")
@@ -588,7 +591,7 @@ def run_sqlapi(name, driver, example, lang):
             admin.execute(f"DROP ROLE IF EXISTS {role}")
         admin.close()
         broker_cleanup(queues=[queue],
-                       exchanges=[out, denied, f"{late}.timeouts", f"{late}.delayed"])
+                       exchanges=[out, timeouts, denied, f"{late}.timeouts", f"{late}.delayed"])
 
 
 def judge_sqlapi(name, events, got):

@@ -1,7 +1,8 @@
 // Every function of the SQL API (migrations/0009_sql_api.sql) from Node, through the
 // example code of docs/integrating/languages.md (sqlapi_example.js), as a login role
-// granted only <schema>_api, against a running timeoutd. The twin of sqlapi_drive.py
-// (its docstring says what the environment holds); run.py judges what this prints.
+// granted only <schema>_api, against a running timeoutd (started first: it writes the
+// rules the API judges by). The twin of sqlapi_drive.py (its docstring says what the
+// environment holds); run.py judges what this prints.
 
 const crypto = require('crypto');
 const amqp = require('amqplib');
@@ -14,6 +15,8 @@ const QUEUE = E.QUEUE;
 const OUT = E.OUT_EXCHANGE;
 const LATE = E.LATE_EXCHANGE;
 const DENIED = E.DENIED_EXCHANGE;
+const TIMEOUTS = E.TIMEOUTS_EXCHANGE;
+const INGRESS = E.INGRESS_EXCHANGE;
 const TIMEOUT_MS = 1500;
 const TIMEOUT = `${TIMEOUT_MS} milliseconds`;
 
@@ -35,13 +38,16 @@ async function one(client, sql, args = []) {
   return Object.values(rows[0])[0];
 }
 
-// The SQLSTATE the statement fails with (null: it did not).
+// The SQLSTATE the statement fails with (null: it did not; rolled back either way).
 async function sqlstate(client, sql, args = []) {
+  await client.query('BEGIN');
   try {
     await client.query(sql, args);
     return null;
   } catch (err) {
     return err.code;
+  } finally {
+    await client.query('ROLLBACK');
   }
 }
 
@@ -109,10 +115,10 @@ async function worker(n, txns) {
   }
 }
 
-async function expectations(app, admin) {
+async function expectations(app, other, admin) {
   const t = tag();
   const expect = (processId, timeout, extra = {}) => api.expectTimeout(app, {
-    processId, messageType: 'PaymentReceived', routingKey: QUEUE, timeout, ...extra });
+    processId, messageType: 'PaymentReceived', exchange: TIMEOUTS, routingKey: QUEUE, timeout, ...extra });
   // Idempotency: the same key, twice, in two transactions: one row, one TimeOut.
   const key = `order-${t}-timeout`;
   const begun = now();
@@ -120,6 +126,32 @@ async function expectations(app, admin) {
   const again = await expect(`idem-${t}`, TIMEOUT, { idempotencyKey: key });
   returned('expect() twice with one idempotency_key: the same id', again, first);
   emit('fires', { id: first, kind: 'timeout', what: 'idempotent expectation', not_before: begun + TIMEOUT_MS / 1000 });
+
+  // Another role's expectation answers as one that never existed; naming its owner is
+  // refused. It fires as if untouched (above).
+  const owner = await one(app, 'SELECT \'sql:\' || session_user');
+  returned('cancel_expectation of another role\'s expectation', await one(other, 'SELECT cancel_expectation($1)', [first]), false);
+  returned('reschedule_expectation of another role\'s expectation', await one(other, 'SELECT reschedule_expectation($1, now())', [first]), false);
+  returned('cancel_expectations of another role\'s process', await one(other, 'SELECT cancel_expectations($1)', [`idem-${t}`]), 0);
+  returned('cancel_expectation naming another owner', await sqlstate(other, 'SELECT cancel_expectation($1, $2)', [first, owner]), '42501');
+
+  // Where a TimeOut may never go: refused by expect() (42501), nothing stored.
+  for (const [what, exchange] of [['the default exchange', ''], ['an amq.* exchange', 'amq.topic'],
+    ['the ingress exchange', INGRESS], ['the announcement exchange', 'timeoutd.announcements']]) {
+    returned(`expect() to ${what}`, await sqlstate(app, 'SELECT expect(\'refused\', \'PaymentReceived\', $1, now(), exchange => $2)', [QUEUE, exchange]), '42501');
+  }
+
+  // A row written to the table directly (here by the schema's owner, for the API role)
+  // with a TimeOut to the default exchange is held when due, never published; released,
+  // it is judged again and held again; cancelled.
+  const held = crypto.randomUUID();
+  await admin.query(`INSERT INTO ${SCHEMA}.expected_messages (id, owner, process_id, message_type, timeout_at, exchange, routing_key) VALUES ($1, $2, $3, 'PaymentReceived', now(), '', $4)`, [held, owner, `held-${t}`, QUEUE]);
+  if (await waitRow(admin, 'expected_messages', 'id = $1 AND retry_at = \'infinity\' AND last_error IS NOT NULL', [held], 'the TimeOut to the default exchange held')) {
+    returned('release_expectation of a held row', await one(app, 'SELECT release_expectation($1)', [held]), true);
+    await waitRow(admin, 'expected_messages', 'id = $1 AND retry_at = \'infinity\'', [held], 'the released row held again');
+    returned('cancel_expectation of a held row', await one(app, 'SELECT cancel_expectation($1)', [held]), true);
+  }
+  emit('never', { id: held, what: 'TimeOut to the default exchange (held)' });
 
   // cancel_expectation before the deadline: true, then false; no TimeOut.
   let eid = await expect(`cancel-${t}`, '3 seconds');
@@ -131,7 +163,7 @@ async function expectations(app, admin) {
   const ids = [];
   await app.query('BEGIN');
   for (const messageType of ['PaymentReceived', 'Shipped', 'Delivered']) {
-    ids.push(await api.expectTimeout(app, { processId: `proc-${t}`, messageType, routingKey: QUEUE, timeout: '3 seconds' }));
+    ids.push(await api.expectTimeout(app, { processId: `proc-${t}`, messageType, exchange: TIMEOUTS, routingKey: QUEUE, timeout: '3 seconds' }));
   }
   await app.query('COMMIT');
   returned('cancel_expectations(process, type)', await one(app, 'SELECT cancel_expectations($1, $2)', [`proc-${t}`, 'Shipped']), 1);
@@ -213,9 +245,18 @@ async function delayed(app, other, admin) {
     emit('fires', { id: late, kind: 'delayed', what: 'retried delayed message', not_before: retried, not_after: retried + 10, body });
   }
 
-  // release_delayed: to an exchange the daemons do not allow: held when due; released,
+  // To an exchange the daemons do not allow, or beyond their bounds: refused by the call.
+  returned('publish_at_commit to an exchange not allowed', await sqlstate(app, 'SELECT publish_at_commit($1, \'denied\', $2)', [DENIED, Buffer.from(body)]), '42501');
+  returned('schedule_delayed to an exchange not allowed', await sqlstate(app, 'SELECT schedule_delayed($1, \'denied\', $2, now() + $3::interval)', [DENIED, Buffer.from(body), TIMEOUT]), '42501');
+  returned('schedule_delayed to the default exchange', await sqlstate(app, 'SELECT schedule_delayed(\'\', $1, $2, now())', [QUEUE, Buffer.from(body)]), '42501');
+  returned('schedule_delayed beyond delay.max_delay', await sqlstate(app, 'SELECT schedule_delayed($1, \'orders.delayed\', $2, now() + interval \'1000 days\')', [OUT, Buffer.from(body)]), '54000');
+  returned('publish_at_commit with properties over 64 KiB', await sqlstate(app, 'SELECT publish_at_commit($1, \'orders.placed\', $2, $3::jsonb)', [OUT, Buffer.from(body), JSON.stringify({ headers: { 'x-big': 'x'.repeat(70000) } })]), '54000');
+
+  // release_delayed: a message written to the table directly (here by the schema's
+  // owner, for the API role) to an exchange not allowed is held when due; released,
   // judged again and held again; cancelled.
-  const held = await api.publishAtCommit(app, DENIED, 'denied', body);
+  const held = `held-${t}`;
+  await admin.query(`INSERT INTO ${SCHEMA}.delayed_messages (owner, message_id, deliver_at, exchange, routing_key, body) VALUES ($1, $2, now(), $3, 'denied', $4)`, [owner, held, DENIED, Buffer.from(body)]);
   if (await waitRow(admin, 'delayed_messages', 'message_id = $1 AND retry_at = \'infinity\'', [held], 'the message to an exchange not allowed held')) {
     returned('release_delayed of a held message', await one(app, 'SELECT release_delayed($1)', [held]), true);
     await waitRow(admin, 'delayed_messages', 'message_id = $1 AND retry_at = \'infinity\' AND attempts >= 2', [held], 'the released message held again');
@@ -226,7 +267,7 @@ async function delayed(app, other, admin) {
 
 async function main() {
   api.config.ordersExchange = OUT;
-  api.config.timeoutsRoutingKey = QUEUE;
+  api.config.timeoutsExchange = TIMEOUTS;
   api.config.paymentTimeout = TIMEOUT;
   const app = await connect(E.APP_PG_URL);
   const other = await connect(E.OTHER_PG_URL);
@@ -238,7 +279,7 @@ async function main() {
     returned('INSERT into delayed_messages', await sqlstate(app, `INSERT INTO ${SCHEMA}.delayed_messages (owner, message_id, deliver_at, exchange, routing_key, properties, body) VALUES ('', 'x', now(), '', '', '{}', '')`), '42501');
     const workers = [];
     for (let n = 0; n < Number(E.WORKERS); n += 1) workers.push(worker(n, Number(E.TXNS)));
-    await expectations(app, admin);
+    await expectations(app, other, admin);
     await delayed(app, other, admin);
     await Promise.all(workers);
   } finally {

@@ -5,11 +5,15 @@ which set up the roles, the queue and the exchanges, and judges: this script pri
 JSON line per fact ({"event": "fires"|"never"|"returned", ...}) and asserts nothing.
 
 Environment: APP_PG_URL, OTHER_PG_URL (a second API role), ADMIN_PG_URL (the schema's
-owner: only to see or set row states the API cannot, and says so), SCHEMA, QUEUE
-(TimeOuts go there by the default exchange), OUT_EXCHANGE (delay.target_exchange),
-LATE_EXCHANGE (the prefix of two exchanges not there yet, .timeouts and .delayed;
-the second allowed for delayed messages), DENIED_EXCHANGE (not
-allowed), AMQP_URL, WORKERS, TXNS.
+owner: only to see or set row states the API cannot, and says so), SCHEMA, QUEUE (every
+message arrives there), TIMEOUTS_EXCHANGE (TimeOuts go there, bound to QUEUE),
+OUT_EXCHANGE (delay.target_exchange), LATE_EXCHANGE (the prefix of two exchanges not
+there yet, .timeouts and .delayed; the second allowed for delayed messages),
+DENIED_EXCHANGE (not allowed for delayed messages, bound to QUEUE), INGRESS_EXCHANGE
+(the daemon's), AMQP_URL, WORKERS, TXNS.
+
+The daemon has written the rules the API judges by (<schema>.api_rules) before this runs:
+run.py starts it first.
 """
 
 import json
@@ -29,6 +33,7 @@ import sqlapi_example as api
 E = os.environ
 SCHEMA, QUEUE = E["SCHEMA"], E["QUEUE"]
 OUT, LATE, DENIED = E["OUT_EXCHANGE"], E["LATE_EXCHANGE"], E["DENIED_EXCHANGE"]
+TIMEOUTS, INGRESS = E["TIMEOUTS_EXCHANGE"], E["INGRESS_EXCHANGE"]
 TIMEOUT = timedelta(milliseconds=1500)
 lock = threading.Lock()
 
@@ -109,24 +114,61 @@ def worker(n, txns):
                  body=json.dumps({"order": order}))
 
 
-def expectations(app, admin):
+def expectations(app, other, admin):
     tag = uuid.uuid4().hex[:8]
     # Idempotency: the same key, twice, in two transactions: one row, one TimeOut.
     key = f"order-{tag}-timeout"
     begun = time.time()
     with app.transaction():
-        first = api.expect_timeout(app, f"idem-{tag}", "PaymentReceived", QUEUE, TIMEOUT,
-                                   idempotency_key=key)
+        first = api.expect_timeout(app, f"idem-{tag}", "PaymentReceived", TIMEOUTS, QUEUE,
+                                   TIMEOUT, idempotency_key=key)
     with app.transaction():
-        again = api.expect_timeout(app, f"idem-{tag}", "PaymentReceived", QUEUE, TIMEOUT,
-                                   idempotency_key=key)
+        again = api.expect_timeout(app, f"idem-{tag}", "PaymentReceived", TIMEOUTS, QUEUE,
+                                   TIMEOUT, idempotency_key=key)
     returned("expect() twice with one idempotency_key: the same id", str(again), str(first))
     emit("fires", id=str(first), kind="timeout", what="idempotent expectation",
          not_before=begun + TIMEOUT.total_seconds())
 
+    # Another role's expectation answers as one that never existed; naming its owner is
+    # refused. It fires as if untouched (above).
+    owner = one(app, "SELECT 'sql:' || session_user")
+    returned("cancel_expectation of another role's expectation",
+             one(other, "SELECT cancel_expectation(%s)", (first,)), False)
+    returned("reschedule_expectation of another role's expectation",
+             one(other, "SELECT reschedule_expectation(%s, now())", (first,)), False)
+    returned("cancel_expectations of another role's process",
+             one(other, "SELECT cancel_expectations(%s)", (f"idem-{tag}",)), 0)
+    returned("cancel_expectation naming another owner", sqlstate(
+        other, "SELECT cancel_expectation(%s, %s)", (first, owner)), "42501")
+
+    # Where a TimeOut may never go: refused by expect() (42501), nothing stored.
+    for what, exchange in (("the default exchange", ""), ("an amq.* exchange", "amq.topic"),
+                           ("the ingress exchange", INGRESS),
+                           ("the announcement exchange", "timeoutd.announcements")):
+        returned(f"expect() to {what}", sqlstate(
+            app, "SELECT expect('refused', 'PaymentReceived', %s, now(), exchange => %s)",
+            (QUEUE, exchange)), "42501")
+
+    # A row written to the table directly (here by the schema's owner, for the API role)
+    # with a TimeOut to the default exchange is held when due, never published; released,
+    # it is judged again and held again; cancelled.
+    held = uuid.uuid4()
+    admin.execute(f"INSERT INTO {SCHEMA}.expected_messages (id, owner, process_id, "
+                  "message_type, timeout_at, exchange, routing_key) VALUES (%s, %s, %s, "
+                  "'PaymentReceived', now(), '', %s)", (held, owner, f"held-{tag}", QUEUE))
+    if wait_row(admin, "expected_messages", "id = %s AND retry_at = 'infinity' "
+                "AND last_error IS NOT NULL", (held,), "the TimeOut to the default exchange held"):
+        returned("release_expectation of a held row",
+                 one(app, "SELECT release_expectation(%s)", (held,)), True)
+        wait_row(admin, "expected_messages", "id = %s AND retry_at = 'infinity'", (held,),
+                 "the released row held again")
+        returned("cancel_expectation of a held row",
+                 one(app, "SELECT cancel_expectation(%s)", (held,)), True)
+    emit("never", id=str(held), what="TimeOut to the default exchange (held)")
+
     # cancel_expectation before the deadline: true, then false; no TimeOut.
     with app.transaction():
-        eid = api.expect_timeout(app, f"cancel-{tag}", "PaymentReceived", QUEUE,
+        eid = api.expect_timeout(app, f"cancel-{tag}", "PaymentReceived", TIMEOUTS, QUEUE,
                                  timedelta(seconds=3))
     returned("cancel_expectation in time", api.cancel_timeout(app, eid), True)
     returned("cancel_expectation again", api.cancel_timeout(app, eid), False)
@@ -136,7 +178,7 @@ def expectations(app, admin):
     ids = []
     with app.transaction():
         for kind in ("PaymentReceived", "Shipped", "Delivered"):
-            ids.append(api.expect_timeout(app, f"proc-{tag}", kind, QUEUE,
+            ids.append(api.expect_timeout(app, f"proc-{tag}", kind, TIMEOUTS, QUEUE,
                                           timedelta(seconds=3)))
     returned("cancel_expectations(process, type)",
              one(app, "SELECT cancel_expectations(%s, %s)", (f"proc-{tag}", "Shipped")), 1)
@@ -148,7 +190,7 @@ def expectations(app, admin):
     # reschedule_expectation: from a minute to 1.5 s; unknown id: false. retry and
     # release on a row that is neither failing nor parked: false.
     with app.transaction():
-        eid = api.expect_timeout(app, f"move-{tag}", "PaymentReceived", QUEUE,
+        eid = api.expect_timeout(app, f"move-{tag}", "PaymentReceived", TIMEOUTS, QUEUE,
                                  timedelta(minutes=1))
     moved = time.time()
     returned("reschedule_expectation",
@@ -166,7 +208,7 @@ def expectations(app, admin):
     # is what the daemon leaves with retry_at = 'infinity'; the owner sets that state
     # here, the API releases it and the TimeOut goes.
     with app.transaction():
-        eid = api.expect_timeout(app, f"parked-{tag}", "PaymentReceived", QUEUE,
+        eid = api.expect_timeout(app, f"parked-{tag}", "PaymentReceived", TIMEOUTS, QUEUE,
                                  timedelta(minutes=1))
     admin.execute(f"UPDATE {SCHEMA}.expected_messages SET retry_at = 'infinity', "
                   "timeout_at = now() WHERE id = %s", (eid,))
@@ -180,8 +222,8 @@ def expectations(app, admin):
     # retry_expectation: a TimeOut to an exchange that is not there yet fails and waits
     # scan.retry_min (30 s here); once it exists, retry_expectation sends it now.
     with app.transaction():
-        eid = api.expect_timeout(app, f"late-{tag}", "PaymentReceived", "late",
-                                 timedelta(0), exchange=f"{LATE}.timeouts")
+        eid = api.expect_timeout(app, f"late-{tag}", "PaymentReceived", f"{LATE}.timeouts",
+                                 "late", timedelta(0))
     if wait_row(admin, "expected_messages", "id = %s AND attempts >= 1 AND retry_at > now()",
                 (eid,), "the TimeOut to a missing exchange failing"):
         declare(f"{LATE}.timeouts")
@@ -263,10 +305,28 @@ def delayed(app, other, admin):
         emit("fires", id=late, kind="delayed", what="retried delayed message",
              not_before=retried, not_after=retried + 10, body=body.decode())
 
-    # release_delayed: to an exchange the daemons do not allow: held when due; released,
+    # To an exchange the daemons do not allow, or beyond their bounds: refused by the call.
+    returned("publish_at_commit to an exchange not allowed", sqlstate(
+        app, "SELECT publish_at_commit(%s, 'denied', %s)", (DENIED, body)), "42501")
+    returned("schedule_delayed to an exchange not allowed", sqlstate(
+        app, "SELECT schedule_delayed(%s, 'denied', %s, now() + %s)", (DENIED, body, TIMEOUT)),
+        "42501")
+    returned("schedule_delayed to the default exchange", sqlstate(
+        app, "SELECT schedule_delayed('', %s, %s, now())", (QUEUE, body)), "42501")
+    returned("schedule_delayed beyond delay.max_delay", sqlstate(
+        app, "SELECT schedule_delayed(%s, 'orders.delayed', %s, now() + interval '1000 days')",
+        (OUT, body)), "54000")
+    returned("publish_at_commit with properties over 64 KiB", sqlstate(
+        app, "SELECT publish_at_commit(%s, 'orders.placed', %s, %s)",
+        (OUT, body, psycopg.types.json.Jsonb({"headers": {"x-big": "x" * 70000}}))), "54000")
+
+    # release_delayed: a message written to the table directly (here by the schema's
+    # owner, for the API role) to an exchange not allowed is held when due; released,
     # judged again and held again; cancelled.
-    with app.transaction():
-        held = api.publish_at_commit(app, DENIED, "denied", body)
+    held = f"held-{tag}"
+    admin.execute(f"INSERT INTO {SCHEMA}.delayed_messages (owner, message_id, deliver_at, "
+                  "exchange, routing_key, body) VALUES (%s, %s, now(), %s, 'denied', %s)",
+                  (owner, held, DENIED, body))
     if wait_row(admin, "delayed_messages", "message_id = %s AND retry_at = 'infinity'",
                 (held,), "the message to an exchange not allowed held"):
         returned("release_delayed of a held message",
@@ -288,7 +348,7 @@ def declare(exchange):
 
 def main():
     api.ORDERS_EXCHANGE = OUT
-    api.TIMEOUTS_ROUTING_KEY = QUEUE
+    api.TIMEOUTS_EXCHANGE = TIMEOUTS
     api.PAYMENT_TIMEOUT = TIMEOUT
     with connect(E["APP_PG_URL"]) as app, connect(E["OTHER_PG_URL"]) as other, \
             connect(E["ADMIN_PG_URL"]) as admin:
@@ -304,7 +364,7 @@ def main():
                    for n in range(int(E["WORKERS"]))]
         for t in threads:
             t.start()
-        expectations(app, admin)
+        expectations(app, other, admin)
         delayed(app, other, admin)
         for t in threads:
             t.join()

@@ -9,15 +9,16 @@ const { Pool } = require('pg');
 // are called by name. Each takes the caller's client and runs in its transaction.
 const config = {
   ordersExchange: 'orders',              // delay.target_exchange or delay.allowed_exchanges
-  timeoutsRoutingKey: 'orders.timeouts', // TimeOuts: default exchange, to this queue
+  timeoutsExchange: 'orders.timeouts',   // TimeOuts: an exchange timeouts.allowed_exchanges allows
+  timeoutsRoutingKey: 'payment.timeout', // bound there to the process manager's queue
   paymentTimeout: '30 minutes',          // a Postgres interval
 };
 
 // Start waiting: the TimeOut (message_id = the returned id) goes to exchange/routingKey
 // after `timeout` from now (the database's clock), unless cancelled first. Nothing
 // happens if the transaction rolls back.
-async function expectTimeout(client, { processId, messageType, routingKey, timeout,
-  payload = null, exchange = '', idempotencyKey = null, traceparent = null }) {
+async function expectTimeout(client, { processId, messageType, exchange, routingKey, timeout,
+  payload = null, idempotencyKey = null, traceparent = null }) {
   const { rows } = await client.query(
     `SELECT expect(process_id => $1, message_type => $2, routing_key => $3,
                    timeout_at => now() + $4::interval, exchange => $5, payload => $6::jsonb,
@@ -53,7 +54,8 @@ async function placeOrder(client, orderId, { traceparent = null, ownWrites = asy
   try {
     const expectationId = await expectTimeout(client, {
       processId: `order-${orderId}`, messageType: 'PaymentReceived',
-      routingKey: config.timeoutsRoutingKey, timeout: config.paymentTimeout,
+      exchange: config.timeoutsExchange, routingKey: config.timeoutsRoutingKey,
+      timeout: config.paymentTimeout,
       payload: { order: orderId }, traceparent });
     const messageId = await publishAtCommit(client, config.ordersExchange, 'orders.placed',
       JSON.stringify({ order: orderId }), { headers: traceparent ? { traceparent } : {} });

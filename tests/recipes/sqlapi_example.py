@@ -12,13 +12,14 @@ from psycopg.types.json import Jsonb
 # The role's search_path holds timeoutd's schema (see "The role" above): the functions
 # are called by name. Each takes the caller's connection and runs in its transaction.
 
-ORDERS_EXCHANGE = "orders"              # delay.target_exchange or delay.allowed_exchanges
-TIMEOUTS_ROUTING_KEY = "orders.timeouts"  # TimeOuts: default exchange, to this queue
+ORDERS_EXCHANGE = "orders"                # delay.target_exchange or delay.allowed_exchanges
+TIMEOUTS_EXCHANGE = "orders.timeouts"     # TimeOuts: an exchange timeouts.allowed_exchanges allows
+TIMEOUTS_ROUTING_KEY = "payment.timeout"  # bound there to the process manager's queue
 PAYMENT_TIMEOUT = timedelta(minutes=30)
 
 
-def expect_timeout(conn, process_id, message_type, routing_key, timeout: timedelta,
-                   payload=None, exchange="", idempotency_key=None, traceparent=None):
+def expect_timeout(conn, process_id, message_type, exchange, routing_key, timeout: timedelta,
+                   payload=None, idempotency_key=None, traceparent=None):
     """Start waiting: the TimeOut (message_id = the returned id) goes to
     exchange/routing_key after `timeout` from now (the database's clock), unless
     cancelled first. Nothing happens if the transaction rolls back."""
@@ -54,8 +55,9 @@ def place_order(conn, order_id, traceparent=None):
     with conn.transaction():
         # conn.execute("INSERT INTO orders ...")   -- the application's own writes
         expectation_id = expect_timeout(
-            conn, f"order-{order_id}", "PaymentReceived", TIMEOUTS_ROUTING_KEY,
-            PAYMENT_TIMEOUT, payload={"order": order_id}, traceparent=traceparent)
+            conn, f"order-{order_id}", "PaymentReceived", TIMEOUTS_EXCHANGE,
+            TIMEOUTS_ROUTING_KEY, PAYMENT_TIMEOUT, payload={"order": order_id},
+            traceparent=traceparent)
         message_id = publish_at_commit(
             conn, ORDERS_EXCHANGE, "orders.placed", json.dumps({"order": order_id}).encode(),
             headers={"traceparent": traceparent} if traceparent else None)

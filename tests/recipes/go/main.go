@@ -32,7 +32,7 @@ func main() {
 func run() error {
 	ctx := context.Background()
 	orders.OrdersExchange = os.Getenv("OUT_EXCHANGE")
-	orders.TimeoutsRoutingKey = os.Getenv("QUEUE")
+	orders.TimeoutsExchange = os.Getenv("TIMEOUTS_EXCHANGE")
 	orders.PaymentTimeout = "3 seconds"
 	conn, err := pgx.Connect(ctx, os.Getenv("APP_PG_URL"))
 	if err != nil {
@@ -66,7 +66,7 @@ func run() error {
 		return err
 	}
 	rolled, err := orders.ExpectTimeout(ctx, tx, "order-8002", "PaymentReceived",
-		orders.TimeoutsRoutingKey, "1 second", nil, nil)
+		orders.TimeoutsExchange, orders.TimeoutsRoutingKey, "1 second", nil, nil)
 	if err != nil {
 		return err
 	}

@@ -17,23 +17,25 @@ import (
 // are called by name. Each takes the caller's transaction.
 var (
 	OrdersExchange     = "orders"          // delay.target_exchange or delay.allowed_exchanges
-	TimeoutsRoutingKey = "orders.timeouts" // TimeOuts: default exchange, to this queue
+	TimeoutsExchange   = "orders.timeouts" // TimeOuts: an exchange timeouts.allowed_exchanges allows
+	TimeoutsRoutingKey = "payment.timeout" // bound there to the process manager's queue
 	PaymentTimeout     = "30 minutes"      // a Postgres interval
 )
 
-// ExpectTimeout starts waiting: the TimeOut (message_id = the returned id) goes after
-// timeout (a Postgres interval) from now, unless cancelled first.
-func ExpectTimeout(ctx context.Context, tx pgx.Tx, processID, messageType, routingKey,
-	timeout string, payload any, traceparent *string) (string, error) {
+// ExpectTimeout starts waiting: the TimeOut (message_id = the returned id) goes to
+// exchange/routingKey after timeout (a Postgres interval) from now, unless cancelled
+// first.
+func ExpectTimeout(ctx context.Context, tx pgx.Tx, processID, messageType, exchange,
+	routingKey, timeout string, payload any, traceparent *string) (string, error) {
 	p, err := json.Marshal(payload)
 	if err != nil {
 		return "", err
 	}
 	var id string
 	err = tx.QueryRow(ctx, `SELECT expect(process_id => $1, message_type => $2,
-		routing_key => $3, timeout_at => now() + $4::interval, payload => $5::jsonb,
-		traceparent => $6)::text`,
-		processID, messageType, routingKey, timeout, string(p), traceparent).Scan(&id)
+		exchange => $3, routing_key => $4, timeout_at => now() + $5::interval,
+		payload => $6::jsonb, traceparent => $7)::text`,
+		processID, messageType, exchange, routingKey, timeout, string(p), traceparent).Scan(&id)
 	return id, err
 }
 
@@ -77,7 +79,8 @@ func PlaceOrder(ctx context.Context, db Beginner, orderID int, traceparent *stri
 	// ... the application's own writes, on tx
 	body, _ := json.Marshal(map[string]int{"order": orderID})
 	id, err := ExpectTimeout(ctx, tx, "order-"+strconv.Itoa(orderID), "PaymentReceived",
-		TimeoutsRoutingKey, PaymentTimeout, map[string]int{"order": orderID}, traceparent)
+		TimeoutsExchange, TimeoutsRoutingKey, PaymentTimeout, map[string]int{"order": orderID},
+		traceparent)
 	if err != nil {
 		return "", err
 	}
