@@ -352,6 +352,86 @@ async fn a_row_written_directly_to_a_refused_exchange_is_held_and_its_neighbour_
     world.cleanup().await;
 }
 
+/// A seeded mix of outbox messages with header counts and sizes around the SQL door's
+/// bounds (and, as AMQP, around `frame_max`): each is refused at the call (54000) or
+/// delivered exactly once; nothing is held, and the node never reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mix_of_header_sizes_through_sql_is_refused_at_the_call_or_delivered_once() {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    let mut world = World::new().await;
+    let target = format!("t.mix.{}", world.group);
+    world.overrides.push((
+        "TIMEOUTD__DELAY__TARGET_EXCHANGE".to_owned(),
+        target.clone(),
+    ));
+    world.migrate().await;
+    let inbox = Inbox::on_exchange(&target, "#").await;
+    let node = Proc::spawn(&world).await;
+    let s = world.schema.clone();
+    let tag = &Uuid::new_v4().simple().to_string()[..8];
+    let name = format!("td_mix_{tag}");
+    let pm = principal(&world, &name).await;
+    let seed = std::env::var("SQL_MIX_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("SQL_MIX_SEED={seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (mut sent, mut refused) = (Vec::new(), 0);
+    for i in 0..40 {
+        let count: u32 = rng.random_range(0..=320);
+        let size: u32 = match rng.random_range(0..3) {
+            0 => rng.random_range(0..=16),
+            1 => rng.random_range(100..=600),
+            _ => rng.random_range(1_000..=4_000),
+        };
+        let call = format!(
+            "{s}.publish_at_commit('{target}', 'k', 'x'::bytea, \
+             jsonb_build_object('headers', coalesce((SELECT jsonb_object_agg('h' || n, \
+             repeat('v', {size})) FROM generate_series(1, {count}) AS n), '{{}}')), 'mix-{i}')"
+        );
+        match answer(&pm, &call).await {
+            Ok(id) => sent.push(id),
+            Err(code) => {
+                assert_eq!(
+                    code, "54000",
+                    "message {i}: {count} headers of {size} bytes"
+                );
+                refused += 1;
+            }
+        }
+    }
+    eprintln!("{} admitted, {refused} refused", sent.len());
+    wait_for(PATIENCE, "every admitted message delivered", || {
+        inbox.len() >= sent.len()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let counts = inbox.counts();
+    for id in &sent {
+        assert_eq!(counts.get(id), Some(&1), "{id} delivered once");
+    }
+    assert_eq!(inbox.len(), sent.len(), "nothing else delivered");
+    assert_eq!(world.count("true").await, 0);
+    let left: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {s}.delayed_messages"
+    )))
+    .fetch_one(&world.pool)
+    .await
+    .expect("left");
+    assert_eq!(left, 0, "nothing held");
+    assert!(
+        !node.logged("reconnected to RabbitMQ"),
+        "the node's connection stayed up"
+    );
+    pm.close().await;
+    drop(node);
+    world.cleanup().await;
+    drop_roles(&[&name]).await;
+}
+
 /// A role of the API role's name that can log in is never granted the API.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_existing_login_role_of_the_api_name_is_refused() {
