@@ -254,7 +254,7 @@ impl Site {
     /// The schema (migrated as the daemon would), the target exchange, the consumer.
     async fn prepare(&self, env: &Env) -> Result<()> {
         if self.own_schema {
-            migrate(&self.settings.postgres).await?;
+            migrate(&self.settings).await?;
         }
         declare_target(&env.amqp, &self.settings.delay.target_exchange).await?;
         let consumer = declare_queue(&env.amqp, &self.queue).await?;

@@ -56,7 +56,7 @@ impl Env {
             amqp_url: args.amqp_url.clone(),
             pg_url: args.pg_url.clone(),
         };
-        if let Err(e) = migrate(&env.settings.postgres).await {
+        if let Err(e) = migrate(&env.settings).await {
             env.cleanup().await;
             return Err(e.context("creating the schema"));
         }
@@ -118,8 +118,8 @@ impl Env {
         if let Ok(mut schemas) = self.idle_schemas.lock() {
             schemas.push(schema.clone());
         }
-        let mut settings = self.settings.postgres.clone();
-        settings.schema = schema.clone();
+        let mut settings = self.settings.clone();
+        settings.postgres.schema = schema.clone();
         migrate(&settings).await?;
         Ok(format!("{schema}.expected_messages"))
     }
@@ -169,10 +169,12 @@ impl Env {
     }
 }
 
-/// Create the schema and table exactly as the daemon does (its embedded migrations).
-pub(crate) async fn migrate(settings: &timeoutd::config::Postgres) -> Result<()> {
-    let store = Store::connect(settings)?;
-    let done = bounded("migrate", Duration::from_secs(30), store.migrate()).await;
+/// Create the schema and table exactly as the daemon does (its embedded migrations),
+/// and write the rules of the SQL API from the daemon's settings, as it does.
+pub(crate) async fn migrate(settings: &Settings) -> Result<()> {
+    let store = Store::connect(&settings.postgres)?;
+    let migrate = store.migrate_for(settings, "timeoutd-bench");
+    let done = bounded("migrate", Duration::from_secs(30), migrate).await;
     store.close().await;
     done??;
     Ok(())
@@ -189,6 +191,10 @@ pub(crate) fn overrides(amqp: &str, pg: &str, schema: &str, group: &str) -> Vec<
         ("TIMEOUTD__ELECTION__GROUP", group),
         ("TIMEOUTD__LOG__FORMAT", "json"),
         ("TIMEOUTD__DELAY__TARGET_EXCHANGE", &target),
+        // The bench's TimeOuts go through the default exchange straight to its queue
+        // (rows written to the table directly): a benchmark of that path, held unless
+        // allowed.
+        ("TIMEOUTD__TIMEOUTS__ALLOW_DEFAULT_EXCHANGE", "true"),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
