@@ -103,6 +103,59 @@ pub struct Console {
     /// The console's connection is closed after this long unused.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
+    /// Host names (with or without a port) the console answers to besides loopback
+    /// names and `http.listen`'s host; `*`: any (see [`Console::host_allowed`]).
+    #[serde(deserialize_with = "names")]
+    pub allowed_hosts: Vec<String>,
+}
+
+impl Console {
+    /// Whether a request's `Host` header (`name`, `name:port`, `[v6]:port`) is one the
+    /// console answers to: a loopback name (`localhost`, `127.0.0.1`, `[::1]`), the
+    /// host of `listen` unless it is unspecified (`0.0.0.0`, `[::]`), or one of
+    /// `allowed_hosts` (a listed name without a port matches any port). Names are
+    /// compared without letter case; a name another DNS name resolves to (DNS
+    /// rebinding) matches none of these.
+    pub fn host_allowed(&self, listen: &str, host: &str) -> bool {
+        if self.allowed_hosts.iter().any(|a| a == "*") {
+            return true;
+        }
+        let host = host.trim().to_ascii_lowercase();
+        let (name, _) = split_host(&host);
+        if name.is_empty() {
+            return false;
+        }
+        let listen = listen.to_ascii_lowercase();
+        let (listen_name, _) = split_host(&listen);
+        let unspecified = matches!(listen_name, "0.0.0.0" | "[::]" | "");
+        let loopback = ["localhost", "127.0.0.1", "[::1]"];
+        loopback.contains(&name)
+            || (!unspecified && listen_name == name)
+            || self.allowed_hosts.iter().any(|a| {
+                let a = a.trim().to_ascii_lowercase();
+                match split_host(&a) {
+                    (n, None) => n == name,
+                    (_, Some(_)) => a == host,
+                }
+            })
+    }
+}
+
+/// `name[:port]` or `[v6][:port]` as the name and the port if any.
+fn split_host(host: &str) -> (&str, Option<&str>) {
+    if host.starts_with('[') {
+        return match host.find(']') {
+            Some(end) => {
+                let port = host[end + 1..].strip_prefix(':');
+                (&host[..=end], port)
+            }
+            None => (host, None),
+        };
+    }
+    match host.rsplit_once(':') {
+        Some((name, port)) if !name.contains(':') => (name, Some(port)),
+        _ => (host, None),
+    }
 }
 
 /// Delayed messages (contract section 7).
@@ -170,6 +223,12 @@ pub struct Amqp {
     /// Largest TimeOut the broker takes (its `max_message_size`); a larger one would
     /// close the channel, so it is refused before publishing, as that row's failure.
     pub max_message_size: bytesize::ByteSize,
+    /// When set, every TimeOut and delayed message is published with an HMAC-SHA256
+    /// signature header under this key (`timeoutd_client::signature`).
+    pub signing_key: Secret,
+    /// Names `signing_key` in the signature, so consumers can hold several keys while
+    /// one replaces another.
+    pub signing_key_id: String,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -278,6 +337,8 @@ pub struct Http {
     /// A connection is closed this long after it was accepted, whatever it is doing.
     #[serde(with = "humantime_serde")]
     pub connection_lifetime: Duration,
+    /// Loopback peers are not held to `max_connections_per_client`.
+    pub exempt_loopback: bool,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
@@ -514,6 +575,7 @@ impl Settings {
         }
         self.validate_delay()?;
         self.validate_console()?;
+        self.validate_signing()?;
         check_ca_file("amqp.ca_file", self.amqp.ca_file.as_deref())?;
         check_ca_file("postgres.ca_file", self.postgres.ca_file.as_deref())?;
         Ok(())
@@ -546,10 +608,36 @@ impl Settings {
                 return Err(ConfigError::invalid(key, "must be 100ms to 1m"));
             }
         }
+        for host in &c.allowed_hosts {
+            let name_like = |ch: char| ch.is_ascii_alphanumeric() || "-.:[]_".contains(ch);
+            if host != "*" && !host.chars().all(name_like) {
+                return Err(ConfigError::invalid(
+                    "console.allowed_hosts",
+                    format!("{host:?} is not a host name, host:port or *"),
+                ));
+            }
+        }
         if !(Duration::from_secs(1)..=MAX_CONNECTION_LIFETIME).contains(&c.idle_timeout) {
             return Err(ConfigError::invalid(
                 "console.idle_timeout",
                 "must be 1s to 1h",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_signing(&self) -> Result<(), ConfigError> {
+        let a = &self.amqp;
+        if a.signing_key.is_set() && a.signing_key.expose().len() < MIN_SECRET {
+            return Err(ConfigError::invalid(
+                "amqp.signing_key",
+                format!("must be at least {MIN_SECRET} bytes (or empty: no signing)"),
+            ));
+        }
+        if !timeoutd_client::signature::valid_key_id(&a.signing_key_id) {
+            return Err(ConfigError::invalid(
+                "amqp.signing_key_id",
+                "must be 1 to 32 of A-Z a-z 0-9 . _ -",
             ));
         }
         Ok(())

@@ -9,6 +9,12 @@
 //! - `action` (POST, JSON): cancel, release, retry now, reschedule, through the SQL API
 //!   of migration 0009 (one place per rule); the admin token.
 //!
+//! Every request under `/console` must name, in its `Host` header, a host the console
+//! answers to (`console.allowed_hosts`, loopback names, `http.listen`'s host): a page
+//! of another site whose DNS name was rebound to this address is answered 421 before
+//! anything else. A client whose tokens failed [`throttle::BURST`] times is answered
+//! 429 for a while (see [`throttle`]).
+//!
 //! The token is a header the page's script sets, never a cookie: a page of another site
 //! cannot make the browser send it. A state-changing request must also be a JSON POST
 //! whose `Origin` (when sent) is the console's own and whose `Sec-Fetch-Site` is not
@@ -18,12 +24,13 @@
 //! The database work is [`api`]'s: one connection of its own, never the firing pool's
 //! (contract section 8), and it runs on the HTTP server's thread.
 
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, RawQuery, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Json, Redirect, Response};
 use axum::routing::{get, post};
@@ -31,12 +38,14 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
-use crate::config::{Secret, Settings};
+use crate::config::{self, Secret, Settings};
+use crate::http::Peer;
 use crate::metrics::Metrics;
 use crate::status::{DueSeen, Snapshot, Status};
 use crate::telemetry::LogLimiter;
 
 mod api;
+mod throttle;
 
 use crate::kind::Kind;
 use api::{Action, ActionRequest, Db, DbError, RowsState};
@@ -115,6 +124,10 @@ enum Refusal {
     CrossSite,
     /// An action that is not a JSON POST.
     ContentType,
+    /// Too many failed tokens from this client lately; try again after this long.
+    Throttled(Duration),
+    /// A `Host` the console does not answer to (DNS rebinding).
+    Host,
 }
 
 impl Refusal {
@@ -125,6 +138,8 @@ impl Refusal {
             Refusal::ReadOnly(_) => "read_only",
             Refusal::CrossSite => "cross_site",
             Refusal::ContentType => "content_type",
+            Refusal::Throttled(_) => "throttled",
+            Refusal::Host => "host",
         }
     }
 
@@ -147,8 +162,21 @@ impl Refusal {
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "actions are POST requests with Content-Type: application/json",
             ),
+            Refusal::Throttled(_) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many failed tokens from this address: try again later",
+            ),
+            Refusal::Host => (
+                StatusCode::MISDIRECTED_REQUEST,
+                "the console does not answer to this Host (console.allowed_hosts)",
+            ),
         };
         let mut r = error(status, text);
+        if let Refusal::Throttled(wait) = self {
+            let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
         if matches!(self, Refusal::Unauthenticated) {
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
@@ -165,6 +193,10 @@ pub(crate) struct Console {
     read: Option<Token>,
     db: Db,
     quiet: Mutex<LogLimiter>,
+    /// What decides which `Host` headers are answered.
+    hosts: config::Console,
+    listen: String,
+    throttle: Mutex<throttle::Throttle>,
 }
 
 /// The console's routes (with `console.enabled`), to merge into the HTTP server's.
@@ -181,6 +213,9 @@ pub(crate) fn routes(
         read: Token::new(&settings.console.read_token),
         db: Db::new(settings, node_id),
         quiet: Mutex::new(LogLimiter::new(REFUSALS_LOG_EVERY)),
+        hosts: settings.console.clone(),
+        listen: settings.http.listen.clone(),
+        throttle: Mutex::default(),
     });
     Router::new()
         // Relative, so that it holds behind a proxy serving the console under a prefix.
@@ -206,8 +241,31 @@ pub(crate) fn routes(
         .route("/console/api/row", get(row))
         .route("/console/api/action", post(action))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(
+            console.clone(),
+            own_host,
+        ))
         .layer(axum::middleware::map_response(secure))
         .with_state(console)
+}
+
+/// Before anything else: a request whose `Host` the console does not answer to is
+/// refused (421).
+async fn own_host(
+    State(c): State<Arc<Console>>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| request.uri().authority().map(|a| a.as_str()))
+        .unwrap_or_default();
+    if !c.hosts.host_allowed(&c.listen, host) {
+        return c.refuse(Refusal::Host, "host");
+    }
+    next.run(request).await
 }
 
 async fn secure(mut r: Response) -> Response {
@@ -245,39 +303,45 @@ impl Console {
     /// The request's access by its `Authorization` header. A header that is there but
     /// names no configured token is refused, not taken as anonymous: a typo should say
     /// so.
-    fn access(&self, headers: &HeaderMap) -> Result<Access, Refusal> {
+    ///
+    /// A client (`peer`) whose tokens failed too often lately is refused (429) without
+    /// its token being looked at; each token that fails counts against it.
+    fn access(&self, headers: &HeaderMap, peer: IpAddr) -> Result<Access, Refusal> {
         let Some(value) = headers.get(header::AUTHORIZATION) else {
             return Ok(Access::Anonymous);
         };
-        let given = value
-            .as_bytes()
-            .strip_prefix(b"Bearer ")
-            .ok_or(Refusal::Unauthenticated)?;
+        let now = Instant::now();
+        let mut throttle = self.throttle.lock().unwrap_or_else(|e| e.into_inner());
+        throttle.check(peer, now).map_err(Refusal::Throttled)?;
+        let given = value.as_bytes().strip_prefix(b"Bearer ");
         // Both compared, whichever matches: the time taken does not tell which.
-        let admin = self.admin.as_ref().is_some_and(|t| t.matches(given));
-        let read = self.read.as_ref().is_some_and(|t| t.matches(given));
+        let admin = given.is_some_and(|g| self.admin.as_ref().is_some_and(|t| t.matches(g)));
+        let read = given.is_some_and(|g| self.read.as_ref().is_some_and(|t| t.matches(g)));
         match (admin, read) {
             (true, _) => Ok(Access::Admin),
             (false, true) => Ok(Access::Read),
-            (false, false) => Err(Refusal::Unauthenticated),
+            (false, false) => {
+                throttle.failed(peer, now);
+                Err(Refusal::Unauthenticated)
+            }
         }
     }
 
     /// Rows need the read or the admin token.
-    fn may_read(&self, headers: &HeaderMap) -> Result<(), Refusal> {
+    fn may_read(&self, headers: &HeaderMap, peer: IpAddr) -> Result<(), Refusal> {
         if self.admin.is_none() && self.read.is_none() {
             return Err(Refusal::ReadOnly(
                 "rows need console.read_token or console.admin_token; neither is configured",
             ));
         }
-        match self.access(headers)? {
+        match self.access(headers, peer)? {
             Access::Anonymous => Err(Refusal::Unauthenticated),
             Access::Read | Access::Admin => Ok(()),
         }
     }
 
     /// Actions: a JSON POST from the console's own origin, with the admin token.
-    fn may_act(&self, headers: &HeaderMap) -> Result<(), Refusal> {
+    fn may_act(&self, headers: &HeaderMap, peer: IpAddr) -> Result<(), Refusal> {
         same_origin(headers)?;
         let json = headers
             .get(header::CONTENT_TYPE)
@@ -293,7 +357,7 @@ impl Console {
                  read-only",
             ));
         }
-        match self.access(headers)? {
+        match self.access(headers, peer)? {
             Access::Admin => Ok(()),
             Access::Read => Err(Refusal::Forbidden),
             Access::Anonymous => Err(Refusal::Unauthenticated),
@@ -381,10 +445,11 @@ async fn summary(State(c): State<Arc<Console>>) -> Json<Summary> {
 
 async fn rows(
     State(c): State<Arc<Console>>,
+    ConnectInfo(Peer(peer)): ConnectInfo<Peer>,
     headers: HeaderMap,
     RawQuery(q): RawQuery,
 ) -> Response {
-    if let Err(r) = c.may_read(&headers) {
+    if let Err(r) = c.may_read(&headers, peer.ip()) {
         return c.refuse(r, "rows");
     }
     let p = params(q);
@@ -405,10 +470,11 @@ async fn rows(
 
 async fn search(
     State(c): State<Arc<Console>>,
+    ConnectInfo(Peer(peer)): ConnectInfo<Peer>,
     headers: HeaderMap,
     RawQuery(q): RawQuery,
 ) -> Response {
-    if let Err(r) = c.may_read(&headers) {
+    if let Err(r) = c.may_read(&headers, peer.ip()) {
         return c.refuse(r, "search");
     }
     let p = params(q);
@@ -421,8 +487,13 @@ async fn search(
     }
 }
 
-async fn row(State(c): State<Arc<Console>>, headers: HeaderMap, RawQuery(q): RawQuery) -> Response {
-    if let Err(r) = c.may_read(&headers) {
+async fn row(
+    State(c): State<Arc<Console>>,
+    ConnectInfo(Peer(peer)): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> Response {
+    if let Err(r) = c.may_read(&headers, peer.ip()) {
         return c.refuse(r, "row");
     }
     let p = params(q);
@@ -442,8 +513,13 @@ async fn row(State(c): State<Arc<Console>>, headers: HeaderMap, RawQuery(q): Raw
     }
 }
 
-async fn action(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = c.may_act(&headers) {
+async fn action(
+    State(c): State<Arc<Console>>,
+    ConnectInfo(Peer(peer)): ConnectInfo<Peer>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = c.may_act(&headers, peer.ip()) {
         return c.refuse(r, "action");
     }
     let asked: ActionRequest = match serde_json::from_slice(&body) {
@@ -483,6 +559,46 @@ mod tests {
             h.insert(*k, HeaderValue::from_str(v).expect("header value"));
         }
         h
+    }
+
+    /// DNS rebinding: only loopback names, the listen address's host and the listed
+    /// names are answered, any port unless the listed name has one.
+    #[test]
+    fn only_the_configured_hosts_are_answered() {
+        let console = |allowed: &[&str]| config::Console {
+            enabled: true,
+            admin_token: Secret::default(),
+            read_token: Secret::default(),
+            statement_timeout: Duration::from_secs(1),
+            acquire_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+            allowed_hosts: allowed.iter().map(|h| (*h).to_owned()).collect(),
+        };
+        let c = console(&[]);
+        for ok in [
+            "localhost:9464",
+            "LOCALHOST",
+            "127.0.0.1:1",
+            "[::1]:9464",
+            "10.0.0.5:9464",
+        ] {
+            assert!(c.host_allowed("10.0.0.5:9464", ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "evil.example:9464",
+            "127.0.0.1.evil.example",
+            "10.0.0.5",
+        ] {
+            assert!(!c.host_allowed("0.0.0.0:9464", bad), "{bad}");
+        }
+        let c = console(&["timeoutd.example.com", "ops.example.com:8443"]);
+        assert!(c.host_allowed("0.0.0.0:9464", "Timeoutd.Example.com"));
+        assert!(c.host_allowed("0.0.0.0:9464", "timeoutd.example.com:443"));
+        assert!(c.host_allowed("0.0.0.0:9464", "ops.example.com:8443"));
+        assert!(!c.host_allowed("0.0.0.0:9464", "ops.example.com:443"));
+        assert!(!c.host_allowed("0.0.0.0:9464", "example.com"));
+        assert!(console(&["*"]).host_allowed("0.0.0.0:9464", "anything:1"));
     }
 
     #[test]

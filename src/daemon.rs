@@ -108,6 +108,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let limits = http::Limits {
         max_per_client: settings.http.max_connections_per_client as usize,
         lifetime: settings.http.connection_lifetime,
+        exempt_loopback: settings.http.exempt_loopback,
     };
     let console = settings
         .console

@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::status::{Snapshot, Status};
 
 mod guard;
-pub(crate) use guard::Limits;
+pub(crate) use guard::{Limits, Peer};
 
 /// The server thread's nice value: the firing threads (0) get about ten times its share
 /// of a contended CPU, and it still answers the kubelet's probes under load.
@@ -76,6 +76,8 @@ impl Server {
         // Dropping the runtime when this returns drops every connection still open.
         runtime.block_on(async move {
             let listener = guard::Guarded::new(TcpListener::from_std(listener)?, limits);
+            // The peer's address reaches the handlers (the console throttles by it).
+            let app = app.into_make_service_with_connect_info::<Peer>();
             let serve =
                 axum::serve(listener, app).with_graceful_shutdown(stop.clone().cancelled_owned());
             tokio::select! {

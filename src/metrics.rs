@@ -362,7 +362,7 @@ impl Metrics {
         r.register(
             "console_refused",
             "web console requests refused, by reason (unauthenticated, forbidden, read_only, \
-             cross_site, content_type, busy)",
+             cross_site, content_type, busy, throttled, host)",
             self.console_refused.clone(),
         );
         r.register(

@@ -3,6 +3,7 @@
 
 pub mod announcement;
 pub mod delayed;
+pub mod sign;
 pub mod timeout;
 mod value;
 

@@ -84,8 +84,22 @@ impl<'de> Deserialize<'de> for Secret {
     }
 }
 
-/// Replace the password of a URL (and a `password=` query parameter) with `***`; a
-/// libpq multi-host URL (`h1:5432,h2:5433`) keeps its host list.
+/// Query parameters whose value is a secret, compared without letter case: every
+/// connection keyword libpq documents as one to hide (its `dispchar` `*`: `password`,
+/// `sslpassword`, the passphrase of the `sslkey` file, and `oauth_client_secret`), which
+/// are also the only ones an `amqp://` URL could carry. File paths (`sslkey`,
+/// `passfile`, `sslcert`) name where a secret lies, not the secret: they are shown.
+pub const SECRET_QUERY_KEYS: [&str; 3] = ["password", "sslpassword", "oauth_client_secret"];
+
+fn is_secret_key(key: &str) -> bool {
+    SECRET_QUERY_KEYS
+        .iter()
+        .any(|secret| key.trim().eq_ignore_ascii_case(secret))
+}
+
+/// Replace the password of a URL (its userinfo's, and every [`SECRET_QUERY_KEYS`] query
+/// parameter's) with `***`; a libpq multi-host URL (`h1:5432,h2:5433`) keeps its host
+/// list.
 pub fn redact_url(raw: &str) -> String {
     if let Some((first, hosts)) = one_host(raw) {
         let one = redact_url(&first);
@@ -103,18 +117,25 @@ pub fn redact_url(raw: &str) -> String {
     if url.password().is_some() {
         let _ = url.set_password(Some("***"));
     }
-    let pairs: Vec<(String, String)> = url
-        .query_pairs()
-        .map(|(k, v)| {
-            let secret = k.eq_ignore_ascii_case("password");
-            (
-                k.into_owned(),
-                if secret { "***".into() } else { v.into_owned() },
-            )
-        })
-        .collect();
-    if !pairs.is_empty() {
-        url.query_pairs_mut().clear().extend_pairs(pairs);
+    // Each parameter as it was written, but a secret one's value: nothing else is
+    // re-encoded.
+    if let Some(query) = url.query() {
+        let shown: Vec<String> = query
+            .split('&')
+            .map(|pair| {
+                let name = pair.split_once('=').map_or(pair, |(k, _)| k);
+                let decoded = url::form_urlencoded::parse(name.as_bytes())
+                    .next()
+                    .map(|(k, _)| k.into_owned())
+                    .unwrap_or_default();
+                if is_secret_key(&decoded) {
+                    format!("{name}=***")
+                } else {
+                    pair.to_owned()
+                }
+            })
+            .collect();
+        url.set_query(Some(&shown.join("&")));
     }
     url.to_string()
 }
@@ -141,7 +162,57 @@ fn one_host(raw: &str) -> Option<(String, String)> {
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{SECRET_QUERY_KEYS, redact_url};
+
+    /// Every keyword libpq's `PQconndefaults()` marks as secret (`dispchar` `*`, in
+    /// `fe-connect.c` of PostgreSQL 18: `password`, `sslpassword`,
+    /// `oauth_client_secret`), in any letter case, percent-encoded or not, in postgres
+    /// and amqp URLs, single- and multi-host: the value never shows, the rest does.
+    #[test]
+    fn every_secret_libpq_documents_is_redacted_in_every_url() {
+        let libpq_secrets = ["password", "sslpassword", "oauth_client_secret"];
+        assert_eq!(SECRET_QUERY_KEYS, libpq_secrets);
+        let secret = "s3cr3t-V4lue";
+        for key in libpq_secrets {
+            for spelled in [
+                key.to_owned(),
+                key.to_uppercase(),
+                // `p` percent-encoded: the parser decodes names before comparing.
+                format!("%{:02X}{}", key.as_bytes()[0], &key[1..]),
+            ] {
+                for base in [
+                    "postgres://u@db:5432/app?sslmode=verify-full&sslkey=/k/client.key",
+                    "postgres://u@h1:5432,h2:5433/app?sslkey=/k/client.key",
+                    "amqps://u@broker:5671/%2f?heartbeat=30",
+                ] {
+                    let url = format!("{base}&{spelled}={secret}");
+                    let shown = redact_url(&url);
+                    assert!(!shown.contains(secret), "{url} -> {shown}");
+                    assert!(shown.contains("=***"), "{url} -> {shown}");
+                    assert!(
+                        shown.contains("/k/client.key") || base.starts_with("amqp"),
+                        "the key file's path is no secret: {shown}"
+                    );
+                }
+            }
+        }
+        // The userinfo's password too, in both schemes; the user stays.
+        for url in [
+            format!("postgres://app:{secret}@db/app?sslpassword={secret}"),
+            format!("amqp://app:{secret}@broker/%2f?password={secret}"),
+        ] {
+            let shown = redact_url(&url);
+            assert!(
+                !shown.contains(secret) && shown.contains("app:***@"),
+                "{shown}"
+            );
+        }
+        // Other keys are no secret and are shown as they were.
+        assert_eq!(
+            redact_url("postgres://u@db/app?sslmode=require&application_name=x&passfile=/p"),
+            "postgres://u@db/app?sslmode=require&application_name=x&passfile=/p"
+        );
+    }
 
     #[test]
     fn multi_host_urls_are_redacted_and_keep_their_hosts() {

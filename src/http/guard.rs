@@ -5,7 +5,9 @@
 //!
 //! - One remote address holds at most `max_per_client` connections at once; more are
 //!   closed as soon as they are accepted. Loopback peers (the pod's own containers, the
-//!   host) are not limited: they share the node's trust.
+//!   host) are not limited with `http.exempt_loopback` (the default): they share the
+//!   node's trust. Behind a mesh sidecar every client comes from loopback, and the
+//!   setting off holds them to the same share.
 //! - Every connection is closed `lifetime` after it was accepted, whatever it is doing.
 //!   Scrapers and probes reconnect; a held connection does not outlive the limit.
 
@@ -26,6 +28,8 @@ use tokio::time::Sleep;
 pub(crate) struct Limits {
     pub(crate) max_per_client: usize,
     pub(crate) lifetime: Duration,
+    /// Loopback peers are not limited (`http.exempt_loopback`).
+    pub(crate) exempt_loopback: bool,
 }
 
 /// Open connections per remote address (loopback ones not counted).
@@ -45,6 +49,7 @@ impl Guarded {
             lifetime: limits.lifetime,
             clients: Clients {
                 max: limits.max_per_client,
+                exempt_loopback: limits.exempt_loopback,
                 open: Arc::default(),
             },
         }
@@ -54,13 +59,15 @@ impl Guarded {
 /// The connections each remote address holds.
 struct Clients {
     max: usize,
+    exempt_loopback: bool,
     open: Open,
 }
 
 impl Clients {
     /// A slot for `peer`, unless it holds its share already.
     fn admit(&self, peer: IpAddr) -> Option<Slot> {
-        if peer.to_canonical().is_loopback() {
+        let peer = peer.to_canonical();
+        if self.exempt_loopback && peer.is_loopback() {
             return Some(Slot { peer: None });
         }
         let mut open = lock(&self.open);
@@ -106,6 +113,16 @@ impl axum::serve::Listener for Guarded {
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
         self.listener.local_addr()
+    }
+}
+
+/// The peer of a request, for the handlers (`ConnectInfo<Peer>`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Peer(pub(crate) SocketAddr);
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Guarded>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, Guarded>) -> Self {
+        Peer(*stream.remote_addr())
     }
 }
 
@@ -196,6 +213,7 @@ mod tests {
     fn guard(max: usize) -> Clients {
         Clients {
             max,
+            exempt_loopback: true,
             open: Arc::default(),
         }
     }
@@ -229,5 +247,22 @@ mod tests {
             .collect();
         assert_eq!(slots.len(), 15);
         assert!(lock(&g.open).is_empty());
+    }
+
+    /// `http.exempt_loopback = false` (behind a mesh sidecar proxying from 127.0.0.6):
+    /// loopback peers hold their share like any other, an IPv4-mapped one the same.
+    #[test]
+    fn loopback_peers_are_limited_when_not_exempt() {
+        let g = Clients {
+            exempt_loopback: false,
+            ..guard(2)
+        };
+        let mesh: IpAddr = "127.0.0.6".parse().expect("ip");
+        let mapped: IpAddr = "::ffff:127.0.0.6".parse().expect("ip");
+        let _a = g.admit(mesh).expect("first");
+        let _b = g.admit(mapped).expect("second, the same address");
+        assert!(g.admit(mesh).is_none(), "a third is refused");
+        assert!(g.admit(mapped).is_none(), "mapped or not");
+        assert!(g.admit("::1".parse().expect("ip")).is_some());
     }
 }

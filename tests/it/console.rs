@@ -35,7 +35,26 @@ async fn request(
     headers: &[(&str, &str)],
     body: Option<&str>,
 ) -> std::io::Result<Answer> {
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    request_from(None, addr, method, path, headers, body).await
+}
+
+/// [`request`] from another local address (`127.0.0.x`: another client to the server).
+async fn request_from(
+    from: Option<std::net::IpAddr>,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> std::io::Result<Answer> {
+    let mut s = match from {
+        None => tokio::net::TcpStream::connect(addr).await?,
+        Some(from) => {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.bind(SocketAddr::new(from, 0))?;
+            socket.connect(addr).await?
+        }
+    };
     let mut req = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
     if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
         req.push_str(&format!("Host: {addr}\r\n"));
@@ -684,11 +703,13 @@ fn console_flood(
             headers.push(("Authorization", a));
         }
         let mut got = Asked::default();
-        match request(addr, method, path, &headers, body).await {
+        // The wrong token from an address of its own: its failures throttle that one.
+        let from = (step % 6 == 5).then_some(std::net::IpAddr::from([127, 0, 0, 2]));
+        match request_from(from, addr, method, path, &headers, body).await {
             Ok(a) if a.status == 200 && method == "POST" => got.acted += 1,
             Ok(a) if a.status == 200 => got.rows_ok += 1,
             Ok(a) if a.status == 503 => got.busy += 1,
-            Ok(a) if a.status == 401 || a.status == 403 => got.refused += 1,
+            Ok(a) if matches!(a.status, 401 | 403 | 429) => got.refused += 1,
             Ok(_) => got.other += 1,
             Err(_) => {
                 got.failed += 1;
@@ -818,6 +839,151 @@ async fn one_connection_opened_when_needed_busy_answers_503_closed_when_idle() {
         sessions().await == 0
     })
     .await;
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// DNS rebinding: a page of another site whose name now resolves to the console's
+/// address sends its own name as `Host`. Every console path answers such a request 421
+/// before anything else, tokens or not; loopback names, the listen address and
+/// `console.allowed_hosts` are answered. `/status` and `/metrics` answer any `Host`
+/// (read-only, and scrapers name the pod's address).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_answers_only_its_own_host_names() {
+    let mut world = World::new().await;
+    world.overrides = console_env(Some(ADMIN), Some(READ));
+    world.overrides.push((
+        "TIMEOUTD__CONSOLE__ALLOWED_HOSTS".to_owned(),
+        "timeoutd.example.com, ops.example.com:8443".to_owned(),
+    ));
+    world.migrate().await;
+    let node = world.start().await;
+    let addr = node.http_addr;
+    let keep = later(&world, "rebinding").await;
+    let admin = bearer(ADMIN);
+    let cancel = serde_json::json!({"kind": "expectation", "action": "cancel", "id": keep});
+    let port = addr.port();
+    let ask = |host: String, path: &'static str| {
+        let admin = admin.clone();
+        let cancel = cancel.to_string();
+        async move {
+            let origin = format!("http://{host}");
+            let mut headers = vec![("Host", host.as_str()), ("Authorization", admin.as_str())];
+            let (method, body) = if path == "/console/api/action" {
+                headers.extend([
+                    ("Content-Type", "application/json"),
+                    ("Origin", origin.as_str()),
+                ]);
+                ("POST", Some(cancel.as_str()))
+            } else {
+                ("GET", None)
+            };
+            call(addr, method, path, &headers, body).await
+        }
+    };
+    let paths = [
+        "/console/",
+        "/console/console.js",
+        "/console/api/summary",
+        "/console/api/rows?kind=expectation&state=pending",
+        "/console/api/search?q=rebinding",
+        "/console/api/action",
+    ];
+    for host in [
+        format!("evil.example:{port}"),
+        "evil.example".to_owned(),
+        format!("127.0.0.1.evil.example:{port}"),
+        format!("ops.example.com:{port}"),
+        String::new(),
+    ] {
+        for path in paths {
+            let a = ask(host.clone(), path).await;
+            assert_eq!(a.status, 421, "{host:?} {path}: {a:?}");
+            assert!(!a.headers.contains_key("access-control-allow-origin"));
+        }
+    }
+    assert_eq!(
+        world.count(&format!("id = '{keep}'")).await,
+        1,
+        "nothing acted"
+    );
+    for host in [
+        format!("localhost:{port}"),
+        format!("127.0.0.1:{port}"),
+        "timeoutd.example.com".to_owned(),
+        "TIMEOUTD.example.com:443".to_owned(),
+        "ops.example.com:8443".to_owned(),
+    ] {
+        for path in &paths[..5] {
+            let a = ask(host.clone(), path).await;
+            assert_eq!(a.status, 200, "{host:?} {path}: {a:?}");
+        }
+    }
+    for path in ["/status", "/metrics", "/healthz"] {
+        let a = call(addr, "GET", path, &[("Host", "evil.example")], None).await;
+        assert_eq!(a.status, 200, "{path} answers any Host");
+    }
+    let a = ask(format!("localhost:{port}"), "/console/api/action").await;
+    assert_eq!(a.status, 200, "{a:?}");
+    assert_eq!(world.count(&format!("id = '{keep}'")).await, 0, "acted");
+    let text = call(addr, "GET", "/metrics", &[], None).await.body;
+    assert!(
+        text.contains("timeoutd_console_refused_total{") && text.contains("reason=\"host\""),
+        "refusals counted by reason"
+    );
+    node.stop().await;
+    world.cleanup().await;
+}
+
+/// A client that presents wrong tokens is answered 401 ten times, then 429 with
+/// `Retry-After` for every request with a token (the right one too: a guess is not
+/// checked), until that much later; another address is not held up meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_tokens_are_throttled_per_client() {
+    let mut world = World::new().await;
+    world.overrides = console_env(Some(ADMIN), Some(READ));
+    world.migrate().await;
+    let node = world.start().await;
+    let addr = node.http_addr;
+    let rows = "/console/api/rows?kind=expectation&state=pending";
+    let guesser = std::net::IpAddr::from([127, 0, 0, 3]);
+    let other = std::net::IpAddr::from([127, 0, 0, 4]);
+    let from = |ip, token: &str| {
+        let auth = bearer(token);
+        async move {
+            request_from(
+                Some(ip),
+                addr,
+                "GET",
+                rows,
+                &[("Authorization", &auth)],
+                None,
+            )
+            .await
+            .expect("request")
+        }
+    };
+    for i in 0..10 {
+        let a = from(guesser, &format!("a-wrong-guess-number-{i:04}")).await;
+        assert_eq!(a.status, 401, "guess {i}: {a:?}");
+    }
+    let throttled = from(guesser, "one-more-wrong-guess-0000").await;
+    assert_eq!(throttled.status, 429, "{throttled:?}");
+    let wait: u64 = throttled.headers["retry-after"].parse().expect("seconds");
+    assert!((1..=6).contains(&wait), "Retry-After {wait}");
+    let right = from(guesser, READ).await;
+    assert_eq!(right.status, 429, "the right token is not even looked at");
+    assert_eq!(
+        from(other, READ).await.status,
+        200,
+        "another client is not held up"
+    );
+    let anonymous = call(addr, "GET", "/console/api/summary", &[], None).await;
+    assert_eq!(anonymous.status, 200, "no token, nothing throttled");
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    assert_eq!(from(guesser, READ).await.status, 200, "after Retry-After");
+    let metrics = call(addr, "GET", "/metrics", &[], None).await.body;
+    assert!(metrics.contains("reason=\"throttled\""), "counted");
     node.stop().await;
     world.cleanup().await;
 }

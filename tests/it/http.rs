@@ -746,6 +746,51 @@ async fn a_client_holds_neither_many_connections_nor_one_for_ever() {
     world.cleanup().await;
 }
 
+/// `http.exempt_loopback = false` (behind a mesh sidecar, every client comes from a
+/// loopback address such as Istio's 127.0.0.6): loopback peers hold their share like
+/// any other address, and a second loopback address has its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_peers_are_limited_when_not_exempt() {
+    let mut world = World::new().await;
+    world.overrides.extend([
+        (
+            "TIMEOUTD__HTTP__MAX_CONNECTIONS_PER_CLIENT".to_owned(),
+            "2".to_owned(),
+        ),
+        (
+            "TIMEOUTD__HTTP__EXEMPT_LOOPBACK".to_owned(),
+            "false".to_owned(),
+        ),
+    ]);
+    world.migrate().await;
+    let node = world.start().await;
+    let to = node.http_addr;
+    let mesh = std::net::IpAddr::from([127, 0, 0, 6]);
+    let held = vec![connect_from(mesh, to).await, connect_from(mesh, to).await];
+    let over = connect_from(mesh, to).await;
+    assert!(
+        closed_at(over, Duration::from_secs(5)).await.is_some(),
+        "a third connection from 127.0.0.6 is closed at once"
+    );
+    let mut other = connect_from(std::net::IpAddr::from([127, 0, 0, 1]), to).await;
+    let req = format!("GET /healthz HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n");
+    other.write_all(req.as_bytes()).await.expect("write");
+    let mut answer = String::new();
+    other.read_to_string(&mut answer).await.expect("read");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    drop(held);
+    wait_for_async(PATIENCE, "a slot free again", || async {
+        let mut s = connect_from(mesh, to).await;
+        s.write_all(req.as_bytes()).await.is_ok() && {
+            let mut answer = String::new();
+            s.read_to_string(&mut answer).await.is_ok() && answer.starts_with("HTTP/1.1 200")
+        }
+    })
+    .await;
+    node.stop().await;
+    world.cleanup().await;
+}
+
 /// The pending counts are counted once per group per `http.pending_refresh`, not once
 /// per node (docs/operating/metrics.md): three nodes at a 250 ms refresh write the shared
 /// counts (each write is one count) about four times a second per kind, and every node

@@ -27,6 +27,7 @@ mod migrations;
 mod on_time;
 mod principals;
 mod proxy;
+mod signing;
 mod sql_api;
 mod stopping;
 mod sql_principals;

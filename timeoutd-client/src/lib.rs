@@ -2,8 +2,9 @@
 //! expectations, and publish messages at commit (the outbox), inside your own sqlx
 //! transaction, so they commit or roll back with your state; and decode the TimeOuts
 //! that arrive ([`TimeOut`]). Every call is one of the SQL API's functions (migration
-//! 0009), so the role needs only `<schema>_api`. Small
-//! dependencies only (sqlx's Postgres driver, serde, chrono, uuid): not the daemon.
+//! 0009), so the role needs only `<schema>_api`; and verify the signatures of what timeoutd
+//! publishes ([`signature`]). Small dependencies only (sqlx's Postgres driver, serde,
+//! chrono, uuid, hmac): not the daemon.
 //!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
@@ -28,6 +29,8 @@
 //!
 //! `schema` must be the daemon's `postgres.schema` (a plain identifier, see [`Schema`];
 //! anything else is refused with [`sqlx::Error::Configuration`]).
+
+pub mod signature;
 
 use std::fmt;
 
