@@ -103,10 +103,11 @@ try {
   // Ready once migrated, connected and settled.
   await until('the daemon is ready', async () => (await fetch(base + '/readyz')).status === 200);
 
-  // The rows, written through the SQL API as a process manager would.
-  const expectation = sql(`SELECT ${schema}.expect('order-4711', 'PaymentReceived', 'orders.timeouts', now() + interval '1 hour', '', '{"order": 4711, "note": "<script>alert(1)</script>"}')`);
-  sql(`SELECT ${schema}.expect('order-4712', 'Shipped', 'orders.timeouts', now() + interval '3 hours')`);
-  sql(`SELECT ${schema}.schedule_delayed('amq.direct', 'billing.reminder', convert_to('{"invoice": 99}', 'UTF8'), now() + interval '30 minutes', '{"content_type": "application/json", "headers": {"x-tenant": "<img src=x onerror=alert(1)>"}}', 'reminder-99')`);
+  // The rows, written through the SQL API as a process manager would (after the daemon
+  // started: it writes the rules the API judges by), to exchanges the daemon allows.
+  const expectation = sql(`SELECT ${schema}.expect('order-4711', 'PaymentReceived', 'orders.timeouts', now() + interval '1 hour', 'orders', '{"order": 4711, "note": "<script>alert(1)</script>"}')`);
+  sql(`SELECT ${schema}.expect('order-4712', 'Shipped', 'orders.timeouts', now() + interval '3 hours', 'orders')`);
+  sql(`SELECT ${schema}.schedule_delayed('timeoutd.delayed', 'billing.reminder', convert_to('{"invoice": 99}', 'UTF8'), now() + interval '30 minutes', '{"content_type": "application/json", "headers": {"x-tenant": "<img src=x onerror=alert(1)>"}}', 'reminder-99')`);
   const present = (where) => sql(`SELECT count(*) FROM ${schema}.${where}`) === '1';
 
   browser = await chromium.launch({ executablePath: CHROMIUM, headless: true, args: ['--no-sandbox'] });
