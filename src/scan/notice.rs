@@ -4,6 +4,14 @@
 //! round trip: one that stopped delivering without a word (half-open TCP) answers nothing
 //! within the next interval (at least a second) and counts as lost, and what was written
 //! meanwhile is looked for as after any other gap.
+//!
+//! Any role that may connect may `NOTIFY` the channel too, so what a notification can
+//! cost is bounded: a payload that is not the trigger's is dropped (and logged, with how
+//! many, once a minute); of the trigger's, at most [`NOTICES_PER_SECOND`] a second reach
+//! the pacer (each can start at most one batch). Past that, the rest of the second's are
+//! dropped and the scan probes every tick instead, as while no LISTEN connection is up,
+//! until a whole second passes under the bound; then it looks at every kind once, as
+//! after any gap.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,11 +25,18 @@ use super::checks::health_backoff;
 use crate::health::Check;
 use crate::kind::Kind;
 use crate::shutdown::sleep_or_stop;
-use crate::telemetry::Chain;
+use crate::telemetry::{Chain, LogLimiter};
 
 /// Notifications queued for the scan task; beyond this they are dropped and the task
 /// looks at every kind instead.
 pub(super) const NOTICES: usize = 1024;
+
+/// The trigger's notifications passed on to the pacer in one second at most; more in a
+/// second make the scan probe every tick instead, until a second passes under it.
+pub(super) const NOTICES_PER_SECOND: u32 = 2000;
+
+/// At most one log line a minute about payloads that are not the trigger's.
+const FOREIGN_LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// A new or moved due time, from the trigger's `NOTIFY`: of which kind (`None`: any)
 /// and when (`None`: unknown, look now).
@@ -79,7 +94,7 @@ pub(super) async fn listen(scan: Arc<Scan>, tx: mpsc::Sender<Notice>, notices: A
                 backoff.reset();
                 notices.listening.store(true, Ordering::Relaxed);
                 send(Notice::ANY);
-                let ended = forward(&scan, &mut listener, moves, &send).await;
+                let ended = forward(&scan, &mut listener, moves, &send, &notices).await;
                 notices.listening.store(false, Ordering::Relaxed);
                 match ended {
                     Listened::Moved => {
@@ -133,7 +148,10 @@ async fn forward(
     listener: &mut sqlx::postgres::PgListener,
     moves: Option<watch::Receiver<u64>>,
     send: &impl Fn(Notice),
+    notices: &NoticeState,
 ) -> Listened {
+    let mut flood = Flood::new(Instant::now());
+    let mut foreign = LogLimiter::new(FOREIGN_LOG_EVERY);
     let settings = &scan.settings;
     let every = settings.scan.probe_interval.max(settings.election.tick);
     let within = every.max(ANSWER_FLOOR);
@@ -158,6 +176,11 @@ async fn forward(
         let next = match woken {
             Woken::Notified(n) => n,
             Woken::Check => {
+                if flood.quiet(Instant::now()) {
+                    tracing::info!("the NOTIFY flood is over: notifications paced again");
+                    notices.listening.store(true, Ordering::Relaxed);
+                    send(Notice::ANY);
+                }
                 // A connection that stopped delivering without a word (half-open TCP, a
                 // stalled proxy) answers nothing either; notifications that arrive
                 // meanwhile wait in the listener's buffer.
@@ -175,7 +198,36 @@ async fn forward(
             }
         };
         match next {
-            Ok(Some(n)) => send(parse_notice(n.payload())),
+            Ok(Some(n)) => {
+                let Some(notice) = parse_notice(n.payload()) else {
+                    if let Some(suppressed) = foreign.allow(Instant::now()) {
+                        tracing::warn!(
+                            channel = n.channel(),
+                            suppressed,
+                            "dropped a notification that is not the trigger's (someone else \
+                             notifies timeoutd's channel)"
+                        );
+                    }
+                    continue;
+                };
+                match flood.take(Instant::now()) {
+                    Take::Pass => send(notice),
+                    Take::Drop => {}
+                    Take::Flooded => {
+                        tracing::warn!(
+                            per_second = NOTICES_PER_SECOND,
+                            "more notifications than the pacer takes: probing every tick \
+                             instead until they calm down"
+                        );
+                        notices.listening.store(false, Ordering::Relaxed);
+                    }
+                    Take::Calm => {
+                        tracing::info!("the NOTIFY flood is over: notifications paced again");
+                        notices.listening.store(true, Ordering::Relaxed);
+                        send(Notice::ANY);
+                    }
+                }
+            }
             // sqlx would reconnect on the next call, but only a new LISTEN tells us when
             // it is back, and the look after it must come after it.
             Ok(None) => return Listened::Lost("the connection closed".to_owned()),
@@ -184,28 +236,88 @@ async fn forward(
     }
 }
 
+/// What a notification does to the pacer's input.
+#[derive(Debug, PartialEq, Eq)]
+enum Take {
+    /// Pass it on.
+    Pass,
+    /// Drop it: the second's bound is spent.
+    Drop,
+    /// Drop it: it spent the second's bound; probe every tick from now on.
+    Flooded,
+    /// Pass on a look at every kind instead: a whole second passed under the bound.
+    Calm,
+}
+
+/// The trigger's notifications counted per second (from the first of each).
+struct Flood {
+    since: Instant,
+    count: u32,
+    flooded: bool,
+}
+
+impl Flood {
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn new(now: Instant) -> Self {
+        Self {
+            since: now,
+            count: 0,
+            flooded: false,
+        }
+    }
+
+    /// One more notification at `now`.
+    fn take(&mut self, now: Instant) -> Take {
+        let calm = self.quiet(now);
+        if now.saturating_duration_since(self.since) >= Self::SECOND {
+            self.since = now;
+            self.count = 0;
+        }
+        self.count = self.count.saturating_add(1);
+        if calm {
+            return Take::Calm;
+        }
+        if self.flooded {
+            return Take::Drop;
+        }
+        if self.count > NOTICES_PER_SECOND {
+            self.flooded = true;
+            return Take::Flooded;
+        }
+        Take::Pass
+    }
+
+    /// Whether a flood ended: a whole second passed since this second began, within the
+    /// bound (checked at each notification and every probe interval).
+    fn quiet(&mut self, now: Instant) -> bool {
+        let over = now.saturating_duration_since(self.since) >= Self::SECOND;
+        if self.flooded && over && self.count <= NOTICES_PER_SECOND {
+            self.flooded = false;
+            return true;
+        }
+        if over && self.flooded {
+            // Another flooded second: count the next one afresh.
+            self.since = now;
+            self.count = 0;
+        }
+        false
+    }
+}
+
 /// The trigger's payload: `<kind>:<epoch micros>` (migration 0005), `<kind>:` for
 /// 'infinity', `<kind>:-` for '-infinity' (migration 0010; read as an unknown due time:
-/// look at the kind from the start); anything else asks to look at every kind now.
-fn parse_notice(payload: &str) -> Notice {
-    let Some((kind, micros)) = payload.split_once(':') else {
-        return Notice::ANY;
-    };
-    let kind = Kind::parse(kind);
-    match micros {
+/// look at the kind from the start). Anything else is not the trigger's: `None`.
+fn parse_notice(payload: &str) -> Option<Notice> {
+    let (kind, micros) = payload.split_once(':')?;
+    let kind = Some(Kind::parse(kind)?);
+    let due = match micros {
         // Infinite: a held or parked row, nothing to wake for.
-        "" if kind.is_some() => Notice {
-            kind,
-            due: Some(DateTime::<Utc>::MAX_UTC),
-        },
-        _ => Notice {
-            kind,
-            due: micros
-                .parse()
-                .ok()
-                .and_then(DateTime::from_timestamp_micros),
-        },
-    }
+        "" => Some(DateTime::<Utc>::MAX_UTC),
+        "-" => None,
+        _ => Some(DateTime::from_timestamp_micros(micros.parse().ok()?)?),
+    };
+    Some(Notice { kind, due })
 }
 
 #[cfg(test)]
@@ -213,30 +325,70 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_payload_names_its_kind_and_due_time_and_junk_asks_for_a_look_at_every_kind() {
-        let n = parse_notice("expectation:1795341600000000");
+    fn a_payload_names_its_kind_and_due_time_and_junk_is_dropped() {
+        let n = parse_notice("expectation:1795341600000000").expect("the trigger's");
         assert_eq!(n.kind, Some(Kind::Expectation));
         assert_eq!(
             n.due,
             DateTime::from_timestamp_micros(1_795_341_600_000_000)
         );
-        let held = parse_notice("delayed:");
+        let held = parse_notice("delayed:").expect("the trigger's");
         assert_eq!(held.kind, Some(Kind::Delayed));
         assert_eq!(
             held.due,
             Some(DateTime::<Utc>::MAX_UTC),
             "infinite: nothing to wake for"
         );
-        for junk in ["", "expectation", "other:12", "expectation:soon", ":"] {
-            let n = parse_notice(junk);
-            assert!(n.due.is_none() || n.kind.is_none(), "{junk:?}: {n:?}");
+        for junk in [
+            "",
+            "expectation",
+            "other:12",
+            "expectation:soon",
+            ":",
+            "nonsense",
+            "expectation:99999999999999999999",
+            "delayed:-1x",
+        ] {
+            assert_eq!(parse_notice(junk), None, "{junk:?}");
         }
-        assert_eq!(parse_notice("nonsense"), Notice::ANY);
-        let minus = parse_notice("expectation:-");
+        let minus = parse_notice("expectation:-").expect("the trigger's");
         assert_eq!(
             (minus.kind, minus.due),
             (Some(Kind::Expectation), None),
             "'-infinity': look at this kind from the start now"
         );
+    }
+
+    /// At most `NOTICES_PER_SECOND` a second pass; past that none until a second
+    /// passes under the bound, which asks for one look at everything.
+    #[test]
+    fn a_flood_is_cut_to_the_bound_and_calms_down() {
+        let start = Instant::now();
+        let mut f = Flood::new(start);
+        let ms = |n: u64| start + Duration::from_millis(n);
+        for _ in 0..NOTICES_PER_SECOND {
+            assert_eq!(f.take(ms(10)), Take::Pass);
+        }
+        assert_eq!(f.take(ms(20)), Take::Flooded);
+        assert_eq!(f.take(ms(30)), Take::Drop);
+        // The next second is flooded too: still dropped.
+        for _ in 0..=NOTICES_PER_SECOND {
+            assert_eq!(f.take(ms(1100)), Take::Drop);
+        }
+        assert!(!f.quiet(ms(2000)), "the second at 1.1 s was over the bound");
+        // A second (from 2.0 s) with few: calm at the next notification after it.
+        assert_eq!(f.take(ms(2500)), Take::Drop);
+        assert_eq!(f.take(ms(3100)), Take::Drop, "within that second");
+        assert_eq!(f.take(ms(3600)), Take::Calm);
+        assert_eq!(f.take(ms(3700)), Take::Pass);
+        // Or, with none at all, at the probe interval's check.
+        let mut g = Flood::new(start);
+        for _ in 0..=NOTICES_PER_SECOND {
+            g.take(ms(1));
+        }
+        assert!(!g.quiet(ms(500)));
+        assert!(!g.quiet(ms(1001)), "the flooded second");
+        assert!(g.quiet(ms(2002)), "a quiet second ends the flood");
+        assert!(!g.quiet(ms(3000)), "once");
     }
 }

@@ -24,6 +24,7 @@ mod firing;
 mod http;
 mod large_rows;
 mod migrations;
+mod notify_flood;
 mod on_time;
 mod principals;
 mod proxy;

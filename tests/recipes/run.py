@@ -681,6 +681,63 @@ def judge_sqlapi(name, events, got):
     return lines
 
 
+def run_signature(name, consumer, example, lang):
+    """A timeoutd with amqp.signing_key fires a TimeOut and delivers a delayed message;
+    the verification snippet of docs/integrating/timeouts.md (the region of `example`,
+    as it is there) accepts both as they arrive, and refuses each with another routing
+    key or another body."""
+    doc = (ROOT / "docs" / "integrating" / "timeouts.md").read_text()
+    fence = {"python": "python", "node": "js"}[lang]
+    if f"```{fence}\n{doc_region(HERE / example, lang)}```" not in doc:
+        raise Failed(f"docs/integrating/timeouts.md does not hold {example}'s docs region")
+    tag = uuid.uuid4().hex[:8]
+    queue, out = f"signed.{tag}", f"signed.{tag}.out"
+    key, key_id = uuid.uuid4().hex, f"k-{tag}"
+    d = Daemon(name, {
+        "TIMEOUTD__AMQP__SIGNING_KEY": key,
+        "TIMEOUTD__AMQP__SIGNING_KEY_ID": key_id,
+        "TIMEOUTD__DELAY__TARGET_EXCHANGE": out,
+        "TIMEOUTD__TIMEOUTS__ALLOW_DEFAULT_EXCHANGE": "true",
+    })
+    with pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as c:
+        ch = c.channel()
+        ch.queue_declare(queue, durable=True)
+        ch.exchange_declare(out, "topic", durable=True)
+        ch.queue_bind(queue, out, "#")
+    d.start()
+    proc = None
+    try:
+        env = dict(os.environ, AMQP_URL=AMQP_URL, QUEUE=queue, KEY=key, KEY_ID=key_id,
+                   COUNT="2", NODE_PATH=str(CACHE / "node" / "node_modules"))
+        proc, ev = spawn(name, consumer, env, CACHE / f"{name}.log")
+        subprocess.run(
+            ["psql", PG_URL, "-qc",
+             f"SELECT {d.schema}.expect('order-42', 'PaymentReceived', '{queue}', "
+             "now() + interval '1 second', exchange => '', payload => '{\"order\": 42}')"],
+            check=True, capture_output=True,
+        )
+        with pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as c:
+            c.channel().basic_publish(
+                d.ingress, "orders.paid", b'{"paid": 42}',
+                pika.BasicProperties(message_id=f"delayed-{tag}", headers={"x-delay": 500}),
+            )
+        wait(lambda: len(ev.of("verified")) >= 2, f"the {name} verdicts")
+        got = ev.of("verified")
+        for v in got:
+            if not v["ok"] or v["other_key"] or v["other_body"]:
+                raise Failed(f"{name}: {v}")
+        if sorted(str(v.get("type")) for v in got) != ["None", "TimeOut"]:
+            raise Failed(f"{name}: not a TimeOut and a delayed message: {got}")
+        return [f"{example}: the code of docs/integrating/timeouts.md, as it is",
+                "a signed TimeOut and a signed delayed message verify; with another "
+                "routing key or body they do not"]
+    finally:
+        if proc:
+            end(proc)
+        d.stop()
+        broker_cleanup(queues=[queue], exchanges=[out])
+
+
 RECIPES = {
     "celery": lambda: run_celery("celery"),
     "celery-no-routing-key": lambda: run_celery(
@@ -717,6 +774,12 @@ RECIPES = {
         exchanges=["recipes.taskiq"],
         variant="bound-twice",
         judged=judge_twice,
+    ),
+    "signature-python": lambda: run_signature(
+        "signature-python", [PY, "verify_signature.py"], "verify_signature.py", "python"
+    ),
+    "signature-node": lambda: run_signature(
+        "signature-node", ["node", "verify_signature.js"], "verify_signature.js", "node"
     ),
     "sql-api-python": lambda: run_sqlapi(
         "sql-api-python", [PY, "sqlapi_drive.py"], "sqlapi_example.py", "python"
