@@ -3,11 +3,16 @@
 //! configured timeout.
 
 mod convert;
+mod frame;
 mod ingress;
 mod proof;
 mod publish;
 
 pub use convert::{lapin_properties, wire_properties};
+pub use frame::{
+    HEADROOM, MAX_DELIVERIES, MAX_DEPTH as MAX_HEADER_DEPTH, MAX_VALUES as MAX_HEADER_VALUES,
+    Refusal, header_frame_size,
+};
 pub use ingress::{Arrived, DELIVERY_LIMIT, InTheWay, Ingress, IngressSpec, OpenError};
 pub use publish::{Budget, Fate, HANDED_OVER_TOGETHER, PublishError, Published, ToPublish};
 
@@ -183,6 +188,11 @@ impl Bus {
     pub fn size_limit(&self) -> usize {
         let max = usize::try_from(self.settings.max_message_size.as_u64()).unwrap_or(usize::MAX);
         self.proofs().limit().map_or(max, |l| l.min(max))
+    }
+
+    /// The connection's negotiated `frame_max`: no content-header frame may be larger.
+    pub fn frame_max(&self) -> u32 {
+        self.conn.configuration().frame_max()
     }
 
     /// Connected and the announcement channel usable.

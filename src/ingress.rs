@@ -298,11 +298,37 @@ async fn take_in(ctx: &Intake, batch: Vec<Arrived>, judge: &Judge) -> Result<Opt
         return Ok(None);
     }
     let now = chrono::Utc::now();
-    let tags: Vec<u64> = batch.iter().map(|a| a.tag).collect();
-    let items: Vec<Ingest> = batch
-        .into_iter()
-        .map(|a| delayed::ingest(a.message, &judge.rules, now))
-        .collect();
+    let mut tags: Vec<u64> = Vec::with_capacity(batch.len());
+    let mut items: Vec<Ingest> = Vec::with_capacity(batch.len());
+    let mut refused: Vec<u64> = Vec::new();
+    for a in batch {
+        match a.message {
+            Ok(message) => {
+                tags.push(a.tag);
+                items.push(delayed::ingest(message, &judge.rules, now));
+            }
+            Err(r) => {
+                refused.push(a.tag);
+                ctx.metrics.ingress_refused(r.result);
+                judge.warn(
+                    r.result,
+                    1,
+                    &format!(
+                        "a delayed message over the ingress's bounds rejected to the broker \
+                         (dead-lettered if the ingress queue has a dead-letter policy, else \
+                         dropped): {}",
+                        r.why
+                    ),
+                );
+            }
+        }
+    }
+    if items.is_empty() {
+        return Ok(Some(Taken {
+            last: None,
+            reject: refused,
+        }));
+    }
     let outcome = store(ctx, &items, judge.quota).await?;
     ctx.metrics.ingested(&outcome, arrived.elapsed());
     ctx.status.update(|s| {
@@ -331,11 +357,12 @@ async fn take_in(ctx: &Intake, batch: Vec<Arrived>, judge: &Judge) -> Result<Opt
          delay.max_bytes_per_owner rejected to the broker (dead-lettered if the ingress \
          queue has a dead-letter policy, else dropped)",
     );
-    let reject: Vec<u64> = outcome
+    let mut reject: Vec<u64> = outcome
         .over_quota
         .iter()
         .filter_map(|i| tags.get(*i).copied())
         .collect();
+    reject.extend(refused);
     // A rejected tag is no longer the channel's to acknowledge: acknowledging it (even
     // as `multiple`'s upper end) would close the channel and return every delivery.
     let last = tags.iter().rev().copied().find(|t| !reject.contains(t));

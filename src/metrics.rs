@@ -344,8 +344,9 @@ impl Metrics {
         r.register(
             "delayed_ingested",
             "delayed messages taken in, by result (stored, duplicate, held, held_not_allowed, \
-             held_too_large, held_too_late, rejected_over_quota, cancelled, arrived_cancelled, \
-             dropped)",
+             held_too_large, held_too_late, rejected_over_quota, rejected_headers_too_large, \
+             rejected_headers_too_deep, rejected_too_many_headers, rejected_redelivered, \
+             cancelled, arrived_cancelled, dropped)",
             self.ingested.clone(),
         );
         r.register_with_unit(
@@ -552,6 +553,12 @@ impl Metrics {
                 .inc_by(n);
         }
         self.ingest_time.observe(took.as_secs_f64());
+    }
+
+    /// One arriving delayed message over the ingress's bounds, rejected to the broker
+    /// (`result`: one of `bus::Refusal`'s).
+    pub fn ingress_refused(&self, result: &'static str) {
+        self.ingested.get_or_create(&ResultLabel { result }).inc();
     }
 
     pub fn ingest_dropped(&self) {

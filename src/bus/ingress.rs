@@ -16,6 +16,7 @@ use lapin::{Channel, Consumer, ExchangeKind};
 use tokio::time::timeout_at;
 
 use super::convert::wire_properties;
+use super::frame::{Refusal, judge};
 use super::{Bus, BusError, bounded};
 use crate::wire::Message;
 
@@ -92,12 +93,15 @@ pub struct Ingress {
     /// caller's `select!`) loses no message.
     gathered: Vec<Arrived>,
     since: Option<Instant>,
+    /// The connection's negotiated `frame_max`.
+    frame_max: u32,
 }
 
-/// One arrived message and the tag that acknowledges it.
+/// One arrived message and the tag that acknowledges it; or, for a message over the
+/// bounds of `frame` (refused to the broker, never stored), why.
 pub struct Arrived {
     pub tag: u64,
-    pub message: Message,
+    pub message: Result<Message, Refusal>,
 }
 
 impl Bus {
@@ -170,6 +174,7 @@ impl Bus {
             consumer,
             gathered: Vec::new(),
             since: None,
+            frame_max: self.frame_max(),
         })
     }
 
@@ -288,7 +293,7 @@ impl Ingress {
             };
             let delivery = next.ok_or(BusError::ConnectionLost)??;
             self.since.get_or_insert_with(Instant::now);
-            self.gathered.push(arrived(delivery));
+            self.gathered.push(arrived(delivery, self.frame_max));
         }
         self.since = None;
         Ok(std::mem::take(&mut self.gathered))
@@ -319,14 +324,17 @@ impl Ingress {
     }
 }
 
-fn arrived(d: lapin::message::Delivery) -> Arrived {
+/// A delivery as the ingress takes it: judged by its properties (see `frame`) before
+/// they are converted.
+fn arrived(d: lapin::message::Delivery, frame_max: u32) -> Arrived {
+    let message = judge(&d.properties, frame_max).map(|()| Message {
+        exchange: d.exchange.as_str().to_owned(),
+        routing_key: d.routing_key.as_str().to_owned(),
+        properties: wire_properties(&d.properties),
+        body: d.data,
+    });
     Arrived {
         tag: d.delivery_tag,
-        message: Message {
-            exchange: d.exchange.as_str().to_owned(),
-            routing_key: d.routing_key.as_str().to_owned(),
-            properties: wire_properties(&d.properties),
-            body: d.data,
-        },
+        message,
     }
 }

@@ -38,6 +38,7 @@ use tokio::time::timeout_at;
 use tokio_util::sync::CancellationToken;
 
 use super::convert::lapin_properties;
+use super::frame::header_frame_size;
 use super::proof::{self, Job, Refusal, Shape};
 use super::{Bus, BusError};
 use crate::wire::{Message, Properties, Value};
@@ -68,6 +69,8 @@ struct Outgoing<'a> {
     wire: &'a Properties,
     body: &'a [u8],
     alone: bool,
+    /// Its whole content-header frame, in bytes (see `frame`).
+    header_frame: usize,
 }
 
 impl<'a> Outgoing<'a> {
@@ -80,7 +83,9 @@ impl<'a> Outgoing<'a> {
             Ok(p) => (Some(p), None),
             Err(e) => (None, Some(e)),
         };
+        let header_frame = properties.as_ref().map_or(0, header_frame_size);
         let outgoing = Self {
+            header_frame,
             message_id: message.properties.message_id.as_deref().unwrap_or_default(),
             exchange: &message.exchange,
             routing_key: &message.routing_key,
@@ -169,6 +174,13 @@ pub enum PublishError {
     /// Over `amqp.max_message_size`, or over the broker's own limit once it refused one.
     #[error("message of {size} bytes is over the limit of {max} bytes")]
     TooLarge { size: usize, max: usize },
+    /// Its content-header frame (every property, timeoutd's own headers included) is
+    /// over the connection's `frame_max`: the broker would close the connection. Held.
+    #[error(
+        "properties and headers of {size} bytes encoded (timeoutd's own headers included) \
+         do not fit the frame_max of {max} bytes, held"
+    )]
+    HeaderTooLarge { size: usize, max: usize },
     #[error("channel closed by the broker: {0}")]
     Channel(String),
 }
@@ -176,7 +188,10 @@ pub enum PublishError {
 impl PublishError {
     /// Retrying cannot help, whatever happens on the broker: the row is held.
     pub fn holds(&self) -> bool {
-        matches!(self, PublishError::NotAllowed(_))
+        matches!(
+            self,
+            PublishError::NotAllowed(_) | PublishError::HeaderTooLarge { .. }
+        )
     }
 
     /// Stable label for logs and metrics.
@@ -190,6 +205,7 @@ impl PublishError {
             PublishError::Invalid(_) => "invalid",
             PublishError::NotAllowed(_) => "not_allowed",
             PublishError::TooLarge { .. } => "too_large",
+            PublishError::HeaderTooLarge { .. } => "header_too_large",
             PublishError::Channel(_) => "channel",
         }
     }
@@ -337,6 +353,13 @@ impl Bus {
             (m.routing_key, "routing key"),
         ] {
             crate::wire::short(name, what).map_err(|e| PublishError::Invalid(e.0))?;
+        }
+        let frame_max = usize::try_from(self.frame_max()).unwrap_or(usize::MAX);
+        if m.header_frame > frame_max {
+            return Err(PublishError::HeaderTooLarge {
+                size: m.header_frame,
+                max: frame_max,
+            });
         }
         let max = self.settings.max_message_size.as_u64();
         let max = usize::try_from(max).unwrap_or(usize::MAX);

@@ -779,7 +779,8 @@ async fn an_ingress_batch_dropped_while_it_gathers_loses_no_message() {
             batch = ingress.next_batch(64, Duration::from_millis(50)) => {
                 batches += 1;
                 for a in batch.expect("batch") {
-                    let id = a.message.properties.message_id.unwrap_or_default();
+                    let message = a.message.expect("within the bounds");
+                    let id = message.properties.message_id.unwrap_or_default();
                     *seen.entry(id).or_default() += 1;
                 }
             }

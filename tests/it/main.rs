@@ -21,6 +21,7 @@ mod failover;
 mod faults;
 mod fencing;
 mod firing;
+mod frames;
 mod http;
 mod large_rows;
 mod migrations;

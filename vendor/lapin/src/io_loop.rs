@@ -613,11 +613,19 @@ impl<
     }
 
     fn parse(&mut self, connection_killswitch: &KillSwitch) -> Result<Option<AMQPFrame>> {
+        // Not in lapin as published: see `frame_guard`.
+        if let Some((consumed, f)) =
+            crate::frame_guard::too_deep(&self.receive_buffer.parsing_context())
+        {
+            self.receive_buffer.consume(consumed);
+            return Ok(Some(f));
+        }
         match parse_frame(self.receive_buffer.parsing_context()) {
             Ok((i, f)) => {
                 let consumed = self.receive_buffer.offset(i);
                 let frame_max = self.configuration.frame_max() as usize;
-                if frame_max > 0 && consumed > frame_max {
+                // A content header over frame_max is taken (see `frame_guard`).
+                if frame_max > 0 && consumed > frame_max && !f.is_header() {
                     error!(bytes = consumed, "received large frame");
                     let error = AMQPError::new(
                         AMQPHardError::FRAMEERROR.into(),

@@ -163,6 +163,8 @@ pub use consumer::{Consumer, ConsumerDelegate};
 pub use error::{Error, ErrorKind, Result};
 pub use events::Event;
 pub use exchange::ExchangeKind;
+/// Not in lapin as published: see `frame_guard`.
+pub use frame_guard::{MAX_DEPTH as MAX_HEADER_DEPTH, REFUSED_HEADER};
 pub use publisher_confirm::{Confirmation, PublisherConfirm};
 pub use queue::Queue;
 
@@ -200,6 +202,7 @@ mod error;
 mod error_holder;
 mod events;
 mod exchange;
+mod frame_guard;
 mod frames;
 mod future;
 mod heartbeat;
