@@ -127,6 +127,7 @@ pub struct Metrics {
     ingest_time: Histogram,
     ingress_consuming: Gauge,
     console_refused: Family<ReasonLabel, Counter>,
+    notifications_dropped: Family<ReasonLabel, Counter>,
     console_actions: Family<ConsoleActionLabel, Counter>,
     /// The last counts of each kind, for the console's summary.
     pending_last: Mutex<Vec<(&'static str, PendingCounts)>>,
@@ -191,6 +192,7 @@ impl Metrics {
             ingest_time: Histogram::new(INGEST_BUCKETS),
             ingress_consuming: Gauge::default(),
             console_refused: Family::default(),
+            notifications_dropped: Family::default(),
             console_actions: Family::default(),
             pending_last: Mutex::new(Vec::new()),
             lateness_total: Mutex::new(Vec::new()),
@@ -367,6 +369,12 @@ impl Metrics {
             self.console_refused.clone(),
         );
         r.register(
+            "notifications_dropped",
+            "notifications on timeoutd's channel the active node dropped, by reason (foreign: \
+             not the trigger's; flood: over the bound a second)",
+            self.notifications_dropped.clone(),
+        );
+        r.register(
             "console_actions",
             "web console actions taken, by kind, action and result (done: the row changed; \
              no_change: gone, or not in the state the action needs; error)",
@@ -487,6 +495,13 @@ impl Metrics {
                 gauge.set(v);
             }
         }
+    }
+
+    /// A notification dropped (`foreign` or `flood`).
+    pub fn notification_dropped(&self, reason: &'static str) {
+        self.notifications_dropped
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
     }
 
     /// A console request refused (see the `console_refused` help text).

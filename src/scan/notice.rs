@@ -6,10 +6,11 @@
 //! meanwhile is looked for as after any other gap.
 //!
 //! Any role that may connect may `NOTIFY` the channel too, so what a notification can
-//! cost is bounded: a payload that is not the trigger's is dropped (and logged, with how
-//! many, once a minute); of the trigger's, at most [`NOTICES_PER_SECOND`] a second reach
+//! cost is bounded: a payload that is not the trigger's is dropped (counted in
+//! `timeoutd_notifications_dropped_total{reason="foreign"}`, logged once a minute); of
+//! the trigger's, at most [`NOTICES_PER_SECOND`] a second reach
 //! the pacer (each can start at most one batch). Past that, the rest of the second's are
-//! dropped and the scan probes every tick instead, as while no LISTEN connection is up,
+//! dropped (`reason="flood"`) and the scan probes every tick instead, as while no LISTEN connection is up,
 //! until a whole second passes under the bound; then it looks at every kind once, as
 //! after any gap.
 
@@ -200,6 +201,7 @@ async fn forward(
         match next {
             Ok(Some(n)) => {
                 let Some(notice) = parse_notice(n.payload()) else {
+                    scan.metrics.notification_dropped("foreign");
                     if let Some(suppressed) = foreign.allow(Instant::now()) {
                         tracing::warn!(
                             channel = n.channel(),
@@ -212,8 +214,9 @@ async fn forward(
                 };
                 match flood.take(Instant::now()) {
                     Take::Pass => send(notice),
-                    Take::Drop => {}
+                    Take::Drop => scan.metrics.notification_dropped("flood"),
                     Take::Flooded => {
+                        scan.metrics.notification_dropped("flood");
                         tracing::warn!(
                             per_second = NOTICES_PER_SECOND,
                             "more notifications than the pacer takes: probing every tick \

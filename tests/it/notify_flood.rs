@@ -150,13 +150,29 @@ async fn a_notify_flood_by_any_login_neither_delays_rows_nor_multiplies_work() {
     }
     late.sort();
     assert_eq!(inbox.counts().len(), 2 * ROWS, "each row once");
+    let (_, text) = get(addr, "/metrics").await;
+    let dropped = |reason: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with("timeoutd_notifications_dropped_total{")
+                    && l.contains(&format!("reason=\"{reason}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let (foreign, flood) = (dropped("foreign"), dropped("flood"));
+    assert!(
+        foreign >= 1.0 && flood >= 1.0,
+        "counted: foreign {foreign}, flood {flood}"
+    );
     node.stop().await;
     pool.close().await;
     // The node's sessions have ended: their counts are in.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let spent = transactions(&world.pool, &db).await - started;
     println!(
-        "notify flood: {NOTIFICATIONS} notifications; batches without {calm}, with {flooded}; \
+        "notify flood: {NOTIFICATIONS} notifications ({foreign} dropped as foreign, {flood} \
+         over the bound); batches without {calm}, with {flooded}; \
          transactions in the database over the run {spent}; lateness p50 {:?}, p99 {:?}, \
          max {:?}",
         late[late.len() / 2],
