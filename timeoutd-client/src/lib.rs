@@ -115,7 +115,9 @@ pub struct Expectation {
     pub process_id: String,
     pub message_type: String,
     pub timeout_at: DateTime<Utc>,
-    /// `""` is the default exchange.
+    /// `""` is the default exchange, which the daemons refuse unless
+    /// `timeouts.allow_default_exchange` is on: name an exchange with
+    /// [`Expectation::exchange`].
     pub exchange: String,
     pub routing_key: String,
     pub payload: Option<serde_json::Value>,
@@ -128,7 +130,8 @@ pub struct Expectation {
 }
 
 impl Expectation {
-    /// Due now, on the default exchange, with a fresh id; adjust with the builders.
+    /// Due now, on the default exchange (allowed only with the daemons'
+    /// `timeouts.allow_default_exchange`), with a fresh id; adjust with the builders.
     pub fn new(process_id: &str, message_type: &str, routing_key: &str) -> Self {
         Self {
             id: Uuid::new_v4(),
