@@ -44,6 +44,7 @@ fn busy() -> Metrics {
     m.ingest_dropped();
     m.set_ingress_consuming(true);
     m.console_refused("cross_site");
+    m.notification_dropped("foreign");
     m.console_action("expectation", "cancel", "done");
     m
 }
