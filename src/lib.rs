@@ -39,8 +39,9 @@
 //! - `http`: `/healthz`, `/readyz`, `/status`, `/metrics` on a thread of its own;
 //!   `http::guard` bounds connections per client and their lifetime.
 //! - `console`: the web console under `/console` (off by default): the embedded page,
-//!   tokens and cross-site refusals; `console::api` reads rows and acts through the SQL
-//!   API on one database connection of its own.
+//!   tokens, its own host names, failed tokens throttled and cross-site refusals;
+//!   `console::api` reads rows and acts through the SQL API on one database connection
+//!   of its own.
 //!
 //! Pure logic:
 //! - [`kind`]: the kinds of due rows (expectations, delayed messages): the one name the
@@ -51,8 +52,8 @@
 //! - [`destinations`]: where a delayed message may go (contract section 8): the one rule,
 //!   judged at ingest, at delivery and when the configuration loads.
 //! - [`wire`]: every wire format without lapin: the announcement, the TimeOut, the delayed
-//!   message (what an arriving one asks for, what a due one becomes), AMQP field values
-//!   that survive jsonb.
+//!   message (what an arriving one asks for, what a due one becomes), the signature of
+//!   what timeoutd publishes, AMQP field values that survive jsonb.
 //! - `backoff`: capped exponential backoff with jitter.
 //! - `health`: since when each of the node's own checks has been failing.
 //! - `shutdown`: the exit reasons, waits that give way to a stop, what a stop gave up.
