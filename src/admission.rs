@@ -1,6 +1,7 @@
 //! Who counts in the election: every announcement passes here before the election hears
-//! it. Pure, like the election: the caller hands in the delivery, its own monotonic and
-//! wall clocks, and gets the announcement or why it was dropped.
+//! it. Pure, like the election: the caller hands in the delivery and its own monotonic
+//! clock (and wall clock, for announcements of earlier versions), and gets the
+//! announcement or why it was dropped.
 //!
 //! An announcement counts only with proof that a member sent it:
 //! - by default, the AMQP `user_id` is the daemons' own broker user. RabbitMQ refuses a
@@ -15,30 +16,40 @@
 //!
 //! Proof is not enough against a copy of a real announcement sent again later (a
 //! replay: a forged `leaving`, a dead node brought back, a node's own announcement
-//! returned late to make it step down). So:
-//! - each of a sender's announcements (by `seq`) counts once; one that arrives behind a
-//!   later one counts only while it is among the sender's latest [`WINDOW`] and was
-//!   sent within `max_clock_skew` (reordered on the way, not kept and sent again: as
-//!   IPsec's anti-replay window). Earlier versions send no `seq`: theirs count in the
-//!   order of `sent_at`;
-//! - another node's announcement whose `sent_at` is further from this node's clock
-//!   than `announce_interval` + `max_clock_skew` (or further ahead than
-//!   `max_clock_skew`) does not count at all: a real one arrives within milliseconds,
-//!   and every member speaks again within an interval. A copy sent again sooner than
-//!   that, to a node that missed the original, counts once: news that old is still
-//!   true enough. The node's own announcements come back however late they are: their
-//!   delay is how it measures its own lag (`max_lag`);
-//! - nor does one sent more than `max_clock_skew` before this node began listening
-//!   (started, or reconnected: [`Admission::restart`]). A node that has just begun
-//!   knows no sender's last number, and a copy of a dead node's announcement would
-//!   otherwise bring it back for it; the live members answer its probe anyway.
+//! returned late to make it step down). Freshness is judged by the receiver's own
+//! monotonic clock, never by comparing clocks of different hosts:
+//! - each of a sender's announcements (by `seq`, counted from 1 by each incarnation,
+//!   whose id is new at every start) counts once, in order; one that arrives behind a
+//!   later one counts only while it is among the sender's latest [`WINDOW`], was sent
+//!   within `announce_interval` of that later one (by the sender's own clock) and the
+//!   sender is live here;
+//! - a newer one counts when the sender is live here (this node counted one of its
+//!   announcements within `member_ttl`), or when it names, in `after`, an announcement
+//!   this node sent or counted within `member_ttl`: it was sent after that one, so it
+//!   is at most about two `member_ttl` old. Every announcement names the newest it
+//!   counted of the lowest live members and of the senders it could not vouch for yet;
+//! - otherwise (a sender heard for the first time, or again after a gap, a restart or
+//!   a reconnect) the announcement is *unvouched*: it does not count, but the election
+//!   answers it at its next tick (a stranger's announcement that is no probe: at most
+//!   one a `member_ttl`), and that answer names it. A live sender hears the
+//!   answer, counts it (it names the sender's own recent announcement) and names the
+//!   answer in its next announcement, which then counts here. A copy of an old
+//!   announcement can name only old announcements: it never counts;
+//! - a sender's numbers are remembered for as long as memory allows ([`MAX_SENDERS`],
+//!   the least recently heard forgotten first), so a copy of any announcement this node
+//!   counted, or answered, is refused as `replayed`.
 //!
-//! A sender's last number is remembered long enough that any older copy is stale by
-//! the time it is forgotten. The clocks of the members must therefore agree within
-//! `max_clock_skew`; announcements of a member whose clock does not are dropped as
-//! `stale`, counted and logged with the offset.
+//! The node's own announcements count however late they come back within `member_ttl`
+//! (the broker expires them then), each once: their delay is how it measures its own
+//! lag (`max_lag`).
+//!
+//! Announcements of earlier versions name nothing (no `after`). Those are judged as
+//! those versions judge: by `sent_at` against this node's clock, within
+//! `announce_interval` + `max_clock_skew` (and not sent before this node began
+//! listening), so a group that still has such members needs clocks that agree within
+//! `max_clock_skew` while it does.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -57,6 +68,8 @@ pub struct Policy {
     pub accept_unauthenticated: bool,
     pub announce_interval: Duration,
     pub member_ttl: Duration,
+    /// How far the clocks of members of earlier versions (announcements without
+    /// `after`) may be from this node's.
     pub max_clock_skew: Duration,
 }
 
@@ -78,13 +91,14 @@ impl Policy {
         }
     }
 
-    /// The delivery a member sends: `a` with its proof (the broker user as `user_id`,
-    /// and the signature with a group secret).
+    /// The delivery `a` makes as it is, with its proof (the broker user as `user_id`,
+    /// and the signature with a group secret). Members seal with [`Admission::seal`],
+    /// which also names what their announcement was sent after.
     pub fn seal(&self, a: &Announcement) -> Envelope {
         seal(a, &self.user, self.key.as_ref())
     }
 
-    /// How far another node's `sent_at` may be in the past (by this node's clock).
+    /// How far an earlier version's `sent_at` may be in the past (by this node's clock).
     fn max_age(&self) -> chrono::Duration {
         chrono::Duration::from_std(self.announce_interval + self.max_clock_skew)
             .unwrap_or(chrono::Duration::MAX)
@@ -94,11 +108,9 @@ impl Policy {
         chrono::Duration::from_std(self.max_clock_skew).unwrap_or(chrono::Duration::MAX)
     }
 
-    /// How long a sender's last number is kept: once it is forgotten, any copy of its
-    /// announcements is older than `max_age` even if the sender's clock ran
-    /// `max_clock_skew` ahead.
-    fn remember_for(&self) -> Duration {
-        self.member_ttl + self.max_clock_skew * 2 + Duration::from_secs(1)
+    /// How far behind (by the sender's clock) a late announcement may be sent.
+    fn max_behind(&self) -> chrono::Duration {
+        chrono::Duration::from_std(self.announce_interval).unwrap_or(chrono::Duration::MAX)
     }
 }
 
@@ -107,58 +119,89 @@ pub const WINDOW: u64 = 64;
 
 /// Senders remembered at most: only senders with proof are remembered, so this bounds
 /// memory, never correctness in a real group.
-const MAX_SENDERS: usize = 4096;
+pub const MAX_SENDERS: usize = 4096;
+
+/// Announcements one announcement names in `after`, at most.
+pub const MAX_AFTER: usize = 8;
+/// Of those, how many name senders not vouched for yet (the rest: the lowest live).
+const MAX_CHALLENGES: usize = 6;
+/// Counted announcements remembered per sender, with when: what `after` may name.
+const RECENT: usize = 4;
+/// Own announcements remembered with when they were sent.
+const OWN: usize = 16;
 
 /// What a receiver remembers of one sender.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Seen {
-    /// The newest `seq` counted.
+    /// The newest `seq` taken (counted, or answered as unvouched).
     newest: u64,
-    /// Bit `i` set: `newest - i` was counted.
-    counted: u64,
-    /// For senders without `seq` (earlier versions): the newest `sent_at` counted.
+    /// Bit `i` set: `newest - i` was taken.
+    taken: u64,
+    /// `sent_at` of `newest`, by the sender's clock.
+    newest_sent_at: Option<DateTime<Utc>>,
+    /// For senders without `seq` (earliest versions): the newest `sent_at` counted.
     legacy: Option<DateTime<Utc>>,
-    /// When it was last counted (remembered `remember_for` after that).
-    at: Instant,
+    /// When one of its announcements last counted.
+    vouched_at: Option<Instant>,
+    /// Its latest counted announcements and when: what others' `after` may name.
+    recent: VecDeque<(u64, Instant)>,
+    /// Its newest announcement not vouched for, to be named: (seq, when, probe).
+    challenge: Option<(u64, Instant, bool)>,
+    /// When anything with proof last came from it (the least recent is forgotten first).
+    heard: Instant,
+    /// Vouched for at some time (restarts and gaps included).
+    known: bool,
 }
 
 impl Seen {
-    fn new(at: Instant) -> Self {
+    fn new(now: Instant) -> Self {
         Self {
             newest: 0,
-            counted: 0,
+            taken: 0,
+            newest_sent_at: None,
             legacy: None,
-            at,
+            vouched_at: None,
+            recent: VecDeque::with_capacity(RECENT),
+            challenge: None,
+            heard: now,
+            known: false,
         }
     }
 
-    /// Count announcement `seq` (sent at `sent_at`) unless it was counted before or is
-    /// too far behind; `Err(newest)` when it may not count.
-    fn count(&mut self, seq: u64, sent_at: DateTime<Utc>) -> Result<(), u64> {
-        if seq == 0 {
-            if self.legacy.is_some_and(|last| sent_at <= last) {
-                return Err(self.newest);
-            }
-            self.legacy = Some(sent_at);
-            return Ok(());
+    fn live(&self, now: Instant, ttl: Duration) -> bool {
+        self.vouched_at
+            .is_some_and(|at| now.saturating_duration_since(at) <= ttl)
+    }
+
+    /// Take `seq` as the newest.
+    fn advance(&mut self, seq: u64, sent_at: DateTime<Utc>) {
+        let shift = seq - self.newest;
+        self.taken = if shift >= WINDOW {
+            0
+        } else {
+            self.taken << shift
+        };
+        self.taken |= 1;
+        self.newest = seq;
+        self.newest_sent_at = Some(sent_at);
+    }
+
+    fn vouch(&mut self, seq: u64, now: Instant) {
+        self.vouched_at = Some(now);
+        self.known = true;
+        self.challenge = None;
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
         }
-        if seq > self.newest {
-            let shift = seq - self.newest;
-            self.counted = if shift >= WINDOW {
-                0
-            } else {
-                self.counted << shift
-            };
-            self.counted |= 1;
-            self.newest = seq;
-            return Ok(());
-        }
-        let behind = self.newest - seq;
-        if behind >= WINDOW || self.counted & (1 << behind) != 0 {
-            return Err(self.newest);
-        }
-        self.counted |= 1 << behind;
-        Ok(())
+        self.recent.push_back((seq, now));
+    }
+
+    /// Whether this node counted, within `ttl`, an announcement of this sender that was
+    /// sent no later than its `seq`.
+    fn names_recent(&self, seq: u64, now: Instant, ttl: Duration) -> bool {
+        self.recent
+            .iter()
+            .any(|(s, at)| *s <= seq && now.saturating_duration_since(*at) <= ttl)
     }
 }
 
@@ -169,8 +212,14 @@ pub struct Admission {
     /// This node's own id: its announcements are judged by proof and count, not age.
     me: Option<Uuid>,
     last: HashMap<Uuid, Seen>,
-    /// When this node began listening (its clock): nothing sent well before counts.
+    /// This node's latest announcements (seq, when sealed).
+    own: VecDeque<(u64, Instant)>,
+    /// When this node began listening (its clock): nothing of an earlier version sent
+    /// well before counts.
     since: DateTime<Utc>,
+    /// When an announcement of a stranger (never vouched for) that is no probe was last
+    /// answered: at most once per `member_ttl`.
+    stranger_answered: Option<Instant>,
     rejected: RejectedCount,
 }
 
@@ -180,6 +229,10 @@ pub struct RejectedCount {
     pub total: u64,
     pub by_reason: BTreeMap<&'static str, u64>,
     pub last: Option<LastRejected>,
+    /// Announcements with proof from senders not vouched for yet (newcomers, members
+    /// heard again after a gap, copies of announcements of nodes never heard): answered,
+    /// not counted. Not in `total`: every newcomer's first probe is one.
+    pub unvouched: u64,
 }
 
 /// The latest announcement that did not count.
@@ -202,15 +255,22 @@ impl Admission {
             policy,
             me,
             last: HashMap::new(),
+            own: VecDeque::with_capacity(OWN),
             since: wall,
+            stranger_answered: None,
             rejected: RejectedCount::default(),
         }
     }
 
-    /// The node listens anew (a new broker connection): what was sent while it did not
-    /// listen does not count.
+    /// The node listens anew (a new broker connection): nobody is vouched for until
+    /// heard anew, and nothing of an earlier version sent while it did not listen counts.
     pub fn restart(&mut self, wall: DateTime<Utc>) {
         self.since = wall;
+        for seen in self.last.values_mut() {
+            seen.vouched_at = None;
+            seen.recent.clear();
+            seen.challenge = None;
+        }
     }
 
     pub fn rejected(&self) -> &RejectedCount {
@@ -221,7 +281,51 @@ impl Admission {
         &self.policy
     }
 
-    /// Judge one delivery at `now` (monotonic) and `wall` (this node's clock).
+    /// This node's announcement `a`, sent at `now`, as a delivery: with its proof, and
+    /// naming in `after` what it was sent after (see the module docs).
+    pub fn seal(&mut self, now: Instant, a: &Announcement) -> Envelope {
+        let mut a = a.clone();
+        a.after = Some(self.after(now));
+        if self.own.len() == OWN {
+            self.own.pop_front();
+        }
+        self.own.push_back((a.seq, now));
+        self.policy.seal(&a)
+    }
+
+    /// What this node's next announcement names: the newest announcement of each sender
+    /// not vouched for yet (probes first, the latest first), then the newest counted of
+    /// the lowest live senders.
+    fn after(&self, now: Instant) -> Vec<(Uuid, u64)> {
+        let ttl = self.policy.member_ttl;
+        let mut challenges: Vec<(bool, Instant, Uuid, u64)> = self
+            .last
+            .iter()
+            .filter_map(|(id, s)| {
+                let (seq, at, probe) = s.challenge?;
+                (now.saturating_duration_since(at) <= ttl).then_some((probe, at, *id, seq))
+            })
+            .collect();
+        challenges.sort_unstable_by_key(|c| std::cmp::Reverse((c.0, c.1)));
+        let mut after: Vec<(Uuid, u64)> = challenges
+            .into_iter()
+            .take(MAX_CHALLENGES)
+            .map(|(_, _, id, seq)| (id, seq))
+            .collect();
+        let mut live: Vec<(Uuid, u64)> = self
+            .last
+            .iter()
+            .filter(|(id, s)| Some(**id) != self.me && s.live(now, ttl))
+            .filter_map(|(id, s)| s.recent.back().map(|(seq, _)| (*id, *seq)))
+            .collect();
+        live.sort_unstable();
+        let room = MAX_AFTER - after.len();
+        after.extend(live.into_iter().take(room));
+        after
+    }
+
+    /// Judge one delivery at `now` (monotonic) and `wall` (this node's clock, used only
+    /// for announcements of earlier versions).
     pub fn admit(
         &mut self,
         now: Instant,
@@ -229,8 +333,10 @@ impl Admission {
         envelope: &Envelope,
     ) -> Result<Announcement, Rejected> {
         let judged = self.judge(now, wall, envelope);
-        if let Err(e) = &judged {
-            self.count(wall, envelope, e);
+        match &judged {
+            Err(Rejected::Unvouched { .. }) => self.rejected.unvouched += 1,
+            Err(e) => self.count(wall, envelope, e),
+            Ok(_) => {}
         }
         judged
     }
@@ -248,13 +354,29 @@ impl Admission {
         }
         self.authenticate(envelope)?;
         let a = Announcement::decode(envelope.kind.as_deref(), body, &self.policy.group)?;
-        let age = wall - a.sent_at;
-        let before_us = self.since - a.sent_at > self.policy.max_ahead();
-        let too_old = age > self.policy.max_age() || before_us;
-        if Some(a.node_id) != self.me && (too_old || -age > self.policy.max_ahead()) {
-            return Err(Rejected::Stale(age.num_milliseconds()));
-        }
-        self.once(now, wall, &a)?;
+        let own = Some(a.node_id) == self.me;
+        let fresh = if own {
+            // Ours comes back within member_ttl (the broker expires it then): an older
+            // copy, or one we never sent, is not our news.
+            let ttl = self.policy.member_ttl;
+            let sent = self.own.iter().find(|(seq, _)| *seq == a.seq);
+            if sent.is_none_or(|(_, at)| now.saturating_duration_since(*at) > ttl) {
+                let last = self.own.back().map_or(0, |(seq, _)| *seq);
+                return Err(Rejected::Replayed { seq: a.seq, last });
+            }
+            true
+        } else if let Some(after) = &a.after {
+            self.names_recent(now, after)
+        } else {
+            // An earlier version: judged by its clock against ours, as it judges.
+            let age = wall - a.sent_at;
+            let before_us = self.since - a.sent_at > self.policy.max_ahead();
+            if age > self.policy.max_age() || before_us || -age > self.policy.max_ahead() {
+                return Err(Rejected::Stale(age.num_milliseconds()));
+            }
+            true
+        };
+        self.once(now, wall, &a, own, fresh)?;
         Ok(a)
     }
 
@@ -281,38 +403,94 @@ impl Admission {
         }
     }
 
-    /// Each of a sender's announcements counts once (see [`Seen`]); one behind a later
-    /// one only if it is recent.
+    /// Whether `after` names an announcement this node sent or counted within
+    /// `member_ttl` (or a later one of the same sender).
+    fn names_recent(&self, now: Instant, after: &[(Uuid, u64)]) -> bool {
+        let ttl = self.policy.member_ttl;
+        after.iter().any(|(id, seq)| {
+            if Some(*id) == self.me {
+                self.own
+                    .iter()
+                    .any(|(s, at)| s <= seq && now.saturating_duration_since(*at) <= ttl)
+            } else {
+                self.last
+                    .get(id)
+                    .is_some_and(|s| s.names_recent(*seq, now, ttl))
+            }
+        })
+    }
+
+    /// Each of a sender's announcements counts once, in order (see the module docs).
     fn once(
         &mut self,
         now: Instant,
         wall: DateTime<Utc>,
         a: &Announcement,
+        own: bool,
+        fresh: bool,
     ) -> Result<(), Rejected> {
-        let keep = self.policy.remember_for();
-        if self.last.len() >= MAX_SENDERS && !self.last.contains_key(&a.node_id) {
-            self.last
-                .retain(|_, seen| now.saturating_duration_since(seen.at) <= keep);
-            if self.last.len() >= MAX_SENDERS
-                && let Some(oldest) = self.last.iter().min_by_key(|(_, seen)| seen.at)
-            {
-                let oldest = *oldest.0;
-                self.last.remove(&oldest);
+        let p = &self.policy;
+        let (ttl, legacy) = (p.member_ttl, a.after.is_none());
+        let late_ok = |seen: &Seen| {
+            own || if legacy {
+                wall - a.sent_at <= p.max_ahead()
+            } else {
+                seen.live(now, ttl)
+                    && seen
+                        .newest_sent_at
+                        .is_some_and(|newest| newest - a.sent_at <= p.max_behind())
             }
+        };
+        if self.last.len() >= MAX_SENDERS
+            && !self.last.contains_key(&a.node_id)
+            && let Some(oldest) = self.last.iter().min_by_key(|(_, seen)| seen.heard)
+        {
+            let oldest = *oldest.0;
+            self.last.remove(&oldest);
         }
         let seen = self.last.entry(a.node_id).or_insert_with(|| Seen::new(now));
-        if now.saturating_duration_since(seen.at) > keep {
-            *seen = Seen::new(now);
+        seen.heard = now;
+        if a.seq == 0 {
+            // The earliest versions send no `seq`: ordered by `sent_at`.
+            if !legacy || seen.legacy.is_some_and(|last| a.sent_at <= last) {
+                return Err(Rejected::Replayed {
+                    seq: 0,
+                    last: seen.newest,
+                });
+            }
+            seen.legacy = Some(a.sent_at);
+            seen.vouched_at = Some(now);
+            return Ok(());
         }
-        if a.seq > 0 && a.seq < seen.newest && wall - a.sent_at > self.policy.max_ahead() {
-            return Err(Rejected::Replayed {
-                seq: a.seq,
-                last: seen.newest,
-            });
+        if a.seq > seen.newest {
+            seen.advance(a.seq, a.sent_at);
+            if own || fresh || seen.live(now, ttl) {
+                seen.vouch(a.seq, now);
+                return Ok(());
+            }
+            seen.challenge = Some((a.seq, now, a.probe));
+            // Copies of dead strangers' announcements must not make a node speak at
+            // every tick: a probe, or a member heard again, is answered at once; any
+            // other stranger at most once per member_ttl.
+            let answer = a.probe
+                || seen.known
+                || self
+                    .stranger_answered
+                    .is_none_or(|at| now.saturating_duration_since(at) > ttl);
+            if answer && !a.probe && !seen.known {
+                self.stranger_answered = Some(now);
+            }
+            return Err(Rejected::Unvouched { seq: a.seq, answer });
         }
-        seen.count(a.seq, a.sent_at)
-            .map_err(|last| Rejected::Replayed { seq: a.seq, last })?;
-        seen.at = now;
+        let behind = seen.newest - a.seq;
+        let replayed = Rejected::Replayed {
+            seq: a.seq,
+            last: seen.newest,
+        };
+        if behind >= WINDOW || seen.taken & (1 << behind) != 0 || !late_ok(seen) {
+            return Err(replayed);
+        }
+        seen.taken |= 1 << behind;
         Ok(())
     }
 

@@ -274,8 +274,8 @@ pub struct Election {
     /// Also count announcements without proof (nodes of earlier versions), for a
     /// rolling upgrade only.
     pub accept_unauthenticated: bool,
-    /// How far a sender's clock may be from ours: announcements sent longer ago than
-    /// `member_ttl` + this (or further ahead than this) do not count.
+    /// Only for announcements of earlier versions (no `after`), judged by their
+    /// `sent_at`: how far such a sender's clock may be from ours.
     #[serde(with = "humantime_serde")]
     pub max_clock_skew: Duration,
 }

@@ -441,6 +441,16 @@ impl Election {
         self.recompute();
     }
 
+    /// An announcement with proof from a sender the admission cannot vouch for yet (heard
+    /// for the first time, or again after a gap): no member, nothing heard, but answered
+    /// at the next tick (by an announcing node, as a probe is), since the answer names
+    /// it and lets a live sender prove it is live.
+    pub fn unvouched(&mut self) {
+        if self.phase != Phase::Leaving {
+            self.answer_due = true;
+        }
+    }
+
     /// The driver's own checks (Postgres usable, TimeOuts publishable), every tick:
     /// `failing_since` is when they started failing continuously, `None` while they pass.
     /// Failing for longer than `member_ttl` withdraws the node until they pass again.

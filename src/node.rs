@@ -23,7 +23,7 @@ use crate::shutdown::{Exit, Stopping, sleep_or_stop};
 use crate::status::{MemberStatus, Status};
 use crate::telemetry::Chain;
 use crate::telemetry::LogLimiter;
-use crate::wire::announcement::{Announcement, Envelope};
+use crate::wire::announcement::{Announcement, Envelope, Rejected};
 
 /// What the node task uses, and what it publishes to the others.
 pub(crate) struct Node {
@@ -213,6 +213,18 @@ impl NodeLoop {
         let now = Instant::now();
         let a = match self.admission.admit(now, Utc::now(), &envelope) {
             Ok(a) => a,
+            Err(Rejected::Unvouched { seq, answer }) => {
+                // A newcomer, or a member heard again after a gap: our answer names it.
+                tracing::debug!(
+                    seq,
+                    answer,
+                    "announcement from a sender not vouched for yet"
+                );
+                if answer {
+                    self.election.unvouched();
+                }
+                return;
+            }
             Err(e) => {
                 self.metrics().rejected(e.kind());
                 let rejected = self.admission.rejected().clone();
@@ -295,12 +307,13 @@ impl NodeLoop {
                     leaving: a.leaving,
                     probe: a.probe,
                     withdrawn: a.withdrawn,
+                    after: None,
                 };
                 if self.sent.len() == SENT_REMEMBERED {
                     self.sent.pop_front();
                 }
                 self.sent.push_back(msg.sent_at);
-                let sealed = self.admission.policy().seal(&msg);
+                let sealed = self.admission.seal(Instant::now(), &msg);
                 // Already stopping: this is the `leaving` announcement of the stop.
                 let leaving = self.ctx.stop.is_cancelled();
                 let ttl = self.ctx.settings.election.member_ttl;

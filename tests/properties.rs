@@ -59,7 +59,7 @@ proptest! {
         id in uuid(), group in ".{1,40}", at in time(),
         seq: u64, active: bool, leaving: bool, probe: bool, withdrawn: bool,
     ) {
-        let a = Announcement { node_id: id, group: group.clone(), sent_at: at, seq, active, leaving, probe, withdrawn };
+        let a = Announcement { node_id: id, group: group.clone(), sent_at: at, seq, active, leaving, probe, withdrawn, after: None };
         let body = a.encode();
         if body.len() <= MAX_BODY {
             prop_assert_eq!(Announcement::decode(Some(MESSAGE_TYPE), &body, &group), Ok(a));

@@ -47,7 +47,10 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
     let policy = Policy::new(settings, bus.user().to_owned());
     let mut admission = Admission::new(policy, Some(me), Utc::now());
     let mut seq = 0;
-    probe(&bus, &admission, me, &mut seq, ttl).await?;
+    probe(&bus, &mut admission, me, &mut seq, ttl).await?;
+    // The first probe is answered only by the members that announce; once one of them
+    // counts, a second probe names it, so that every member can vouch for the watcher.
+    let mut vouched_probe = false;
     let refresh = settings.election.announce_interval;
     let mut seen: BTreeMap<Uuid, (Instant, Announcement, i64)> = BTreeMap::new();
     let mut next_print = Instant::now() + refresh.mul_f32(1.5);
@@ -67,7 +70,7 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
                 }
                 next_print = Instant::now() + refresh;
                 if Instant::now() >= next_probe {
-                    probe(&bus, &admission, me, &mut seq, ttl).await?;
+                    probe(&bus, &mut admission, me, &mut seq, ttl).await?;
                     next_probe = Instant::now() + ttl / 2;
                 }
             }
@@ -75,7 +78,11 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
                 // What does not count is counted by the admission and shown below.
                 Some(Ok(envelope)) => {
                     if let Ok(a) = admission.admit(Instant::now(), Utc::now(), &envelope) {
+                        let other = a.node_id != me;
                         record(&mut seen, a, me);
+                        if other && !std::mem::replace(&mut vouched_probe, true) {
+                            probe(&bus, &mut admission, me, &mut seq, ttl).await?;
+                        }
                     }
                 }
                 Some(Err(e)) => return Err(anyhow::Error::new(e).context("consumer failed")),
@@ -99,24 +106,25 @@ pub async fn members(settings: &Settings, args: MembersArgs) -> anyhow::Result<E
 /// An observer's probe: every member answers it, and nobody counts the watcher in.
 async fn probe(
     bus: &Bus,
-    admission: &Admission,
+    admission: &mut Admission,
     me: Uuid,
     seq: &mut u64,
     ttl: Duration,
 ) -> anyhow::Result<()> {
     *seq += 1;
-    let policy = admission.policy();
     let probe = Announcement {
         node_id: me,
-        group: policy.group.clone(),
+        group: admission.policy().group.clone(),
         sent_at: Utc::now(),
         seq: *seq,
         active: false,
         leaving: true,
         probe: true,
         withdrawn: false,
+        after: None,
     };
-    bus.announce(&policy.seal(&probe), ttl).await?;
+    bus.announce(&admission.seal(Instant::now(), &probe), ttl)
+        .await?;
     Ok(())
 }
 

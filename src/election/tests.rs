@@ -190,6 +190,29 @@ fn answers_a_probe_from_another_node_at_the_next_tick() {
     );
 }
 
+/// A sender the admission cannot vouch for yet is no member and changes no role, but it
+/// is answered at the next tick, as a probe is (the answer names it).
+#[test]
+fn an_unvouched_sender_is_answered_at_the_next_tick_but_is_no_member() {
+    let t0 = Instant::now();
+    let mut e = settled_alone(id(5), t0);
+    drain(&mut e);
+    e.unvouched();
+    assert!(sends(&drain(&mut e)).is_empty(), "not before the tick");
+    e.tick(t0 + Duration::from_millis(1250));
+    let out = drain(&mut e);
+    assert_eq!(sends(&out).len(), 1, "{out:?}");
+    assert!(role_changes(&out).is_empty());
+    assert_eq!(e.role(), Role::Active);
+    assert!(e.members(t0).iter().all(|m| m.id == id(5)));
+    // Leaving: nothing more is sent.
+    e.leave(t0 + Duration::from_millis(1300));
+    drain(&mut e);
+    e.unvouched();
+    e.tick(t0 + Duration::from_millis(1500));
+    assert!(sends(&drain(&mut e)).is_empty());
+}
+
 #[test]
 fn own_probe_echo_is_not_answered() {
     let t0 = Instant::now();

@@ -1,9 +1,10 @@
 //! The announcement wire format: encode, decode, validate. Nothing else.
 //!
 //! Body: `{"node_id", "group", "sent_at", "seq", "active", "leaving", "probe",
-//! "withdrawn"}`. The booleans default to `false` and `seq` to 0 when absent, so
-//! announcements of earlier versions still decode, and unknown fields are ignored, so
-//! earlier versions decode ours. A withdrawn node also sets `leaving`: an earlier version
+//! "withdrawn", "after"}`. The booleans default to `false`, `seq` to 0 and `after` to
+//! none when absent, so announcements of earlier versions still decode, and unknown
+//! fields are ignored, so earlier versions decode ours (they judge it by `sent_at`, as
+//! before). A withdrawn node also sets `leaving`: an earlier version
 //! drops it at once instead of waiting for it, a current one keeps it as a member that
 //! is not a candidate.
 //!
@@ -50,6 +51,13 @@ pub struct Announcement {
     /// comes with `leaving` for the sake of earlier versions.
     #[serde(default)]
     pub withdrawn: bool,
+    /// Announcements of others (`[node_id, seq]`) the sender had counted, or answers
+    /// (its own earlier ones excluded), when it sent this one: a receiver that sent or
+    /// counted one of them recently knows this one is recent too, whatever the clocks
+    /// say (see `admission`). Always present from this version on, possibly empty;
+    /// absent from earlier versions, which are judged by `sent_at`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<Vec<(Uuid, u64)>>,
 }
 
 /// One delivery from the group's announcement queue as the broker handed it over,
@@ -88,9 +96,17 @@ pub enum Rejected {
     )]
     Replayed { seq: u64, last: u64 },
     #[error(
-        "sent_at is {0} ms away from this node's clock (more than member_ttl + election.max_clock_skew)"
+        "sent_at is {0} ms away from this node's clock (an earlier version's announcement: more than announce_interval + election.max_clock_skew)"
     )]
     Stale(i64),
+    #[error(
+        "announcement {seq} is from a sender this node cannot vouch for yet (heard for the first time, or again after a gap): answered, not counted"
+    )]
+    Unvouched {
+        seq: u64,
+        /// The election should answer it (see `admission`).
+        answer: bool,
+    },
 }
 
 impl Rejected {
@@ -106,6 +122,7 @@ impl Rejected {
             Rejected::BadSignature => "bad_signature",
             Rejected::Replayed { .. } => "replayed",
             Rejected::Stale(_) => "stale",
+            Rejected::Unvouched { .. } => "unvouched",
         }
     }
 }
@@ -198,6 +215,7 @@ mod tests {
             leaving: false,
             probe: false,
             withdrawn: false,
+            after: Some(vec![(Uuid::new_v4(), 3)]),
         }
     }
 
@@ -244,6 +262,30 @@ mod tests {
         assert_eq!(back.as_ref(), Ok(&a));
         let heard = back.map(|b| b.heard()).expect("decoded");
         assert!(heard.withdrawn && heard.leaving && !heard.active);
+    }
+
+    /// Earlier versions send no `after`: it decodes as none (judged by `sent_at`); an
+    /// empty one stays empty, and ours encodes it as pairs earlier versions skip.
+    #[test]
+    fn after_is_none_when_absent_and_pairs_when_present() {
+        let body = br#"{"node_id": "0f1e2d3c-4b5a-4968-8776-a5b4c3d2e1f0", "group": "g",
+            "sent_at": "2026-11-21T10:00:00.123Z", "seq": 4}"#;
+        let a = Announcement::decode(Some(MESSAGE_TYPE), body, GROUP).expect("valid");
+        assert_eq!(a.after, None);
+        let empty = Announcement {
+            after: Some(Vec::new()),
+            ..sample()
+        };
+        let back = Announcement::decode(Some(MESSAGE_TYPE), &empty.encode(), GROUP);
+        assert_eq!(back.map(|b| b.after), Ok(Some(Vec::new())));
+        let named = sample();
+        let json: serde_json::Value = serde_json::from_slice(&named.encode()).expect("json");
+        let (id, seq) = named.after.as_ref().expect("after")[0];
+        assert_eq!(json["after"], serde_json::json!([[id.to_string(), seq]]));
+        let bad = br#"{"node_id": "0f1e2d3c-4b5a-4968-8776-a5b4c3d2e1f0", "group": "g",
+            "sent_at": "2026-11-21T10:00:00.123Z", "after": [["nope", 1]]}"#;
+        let err = Announcement::decode(None, bad, GROUP).expect_err("malformed");
+        assert_eq!(err.kind(), "malformed");
     }
 
     /// Earlier versions send no `withdrawn`: such a node is not withdrawn.

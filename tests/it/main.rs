@@ -9,6 +9,7 @@ mod bad_input;
 mod cli;
 mod client;
 mod clients;
+mod clocks;
 mod common;
 mod console;
 mod delayed;

@@ -142,6 +142,7 @@ fn announcement(node: &str, active: bool, leaving: bool, group: &str) -> Vec<u8>
         leaving,
         probe: false,
         withdrawn: false,
+        after: Some(Vec::new()),
     }
     .encode()
 }

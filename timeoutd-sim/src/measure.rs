@@ -23,6 +23,10 @@ pub struct Measures {
     pub deliveries: u64,
     /// Deliveries a node's admission dropped (forgeries, replays, duplicates).
     pub rejected: u64,
+    /// Deliveries from senders a node could not vouch for yet (answered, not counted).
+    pub unvouched: u64,
+    /// The attacker's deliveries that counted anywhere.
+    pub attacker_counted: u64,
 }
 
 impl Measures {
@@ -106,6 +110,8 @@ impl Measures {
             takeover_p99_s: pct(0.99),
             takeover_max_s: pct(1.0),
             rejected: self.rejected,
+            unvouched: self.unvouched,
+            attacker_counted: self.attacker_counted,
             head,
         }
     }
@@ -136,6 +142,8 @@ pub struct Head {
     pub announce_interval_s: f64,
     pub attack: crate::Attack,
     pub secret: bool,
+    /// Each node's clock is off by up to this much either way.
+    pub clock_skew_s: f64,
 }
 
 /// One line of the table.
@@ -156,6 +164,11 @@ pub struct Report {
     pub takeover_max_s: f64,
     /// Deliveries the members did not count (whole run, warm-up included).
     pub rejected: u64,
+    /// Deliveries from senders not vouched for yet: answered, not counted (whole run).
+    pub unvouched: u64,
+    /// The attacker's deliveries that counted at some node (whole run): 0 when every
+    /// forgery and replay is refused.
+    pub attacker_counted: u64,
 }
 
 #[cfg(test)]

@@ -30,8 +30,9 @@ pub enum Attack {
     /// without a user or as another broker user; a `leaving` for the active node; with
     /// a group secret, the same signed with a made-up signature.
     Forge,
-    /// Copies of real announcements (proof and all) captured at least 2 s earlier,
-    /// sent again: old `leaving`s, dead nodes, each node's own.
+    /// Copies of real announcements (proof and all) captured at least two `member_ttl`
+    /// and an `announce_interval` (7 s) earlier, sent again: old `leaving`s, dead
+    /// nodes, each node's own.
     Replay,
     /// Both.
     ForgeAndReplay,
@@ -107,6 +108,10 @@ pub struct SimConfig {
     /// Members prove membership with a group secret (and share their broker user with
     /// the attacker) instead of their own broker user.
     pub secret: bool,
+    /// Each replica's host clock is off by an offset drawn uniformly from
+    /// `[-clock_skew, +clock_skew]` (from an RNG of its own, so the rest of the run
+    /// draws the same numbers whatever the skew).
+    pub clock_skew: Duration,
 }
 
 impl SimConfig {
@@ -132,6 +137,7 @@ impl SimConfig {
             seed,
             attack: Attack::None,
             secret: false,
+            clock_skew: Duration::ZERO,
         }
     }
 

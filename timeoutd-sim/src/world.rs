@@ -12,7 +12,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use timeoutd::admission::{Admission, Policy};
 use timeoutd::election::{Election, Output, Role, Timing};
-use timeoutd::wire::announcement::{Announcement, Envelope, GroupKey};
+use timeoutd::wire::announcement::{Announcement, Envelope, GroupKey, Rejected};
 use uuid::Uuid;
 
 use crate::measure::{Head, Measures, Report};
@@ -24,9 +24,6 @@ const USER: &str = "timeoutd";
 const SECRET: &[u8] = b"the simulated group secret";
 /// How often the attacker strikes.
 const ATTACK_EVERY: Duration = Duration::from_millis(100);
-/// The attacker replays only what it captured at least this long ago (longer than any
-/// link delay): a copy racing its original would only bring the same news earlier.
-const REPLAY_AFTER: Duration = Duration::from_secs(2);
 /// Captured announcements the attacker keeps.
 const CAPTURED: usize = 2000;
 
@@ -53,10 +50,12 @@ struct Slot {
     paused: bool,
     /// Cut off from the broker: hears nothing, reaches nobody.
     isolated: bool,
-    /// Deliveries waiting in a paused node's queue: (sent, announcement).
-    backlog: Vec<(Ns, Mail)>,
+    /// Deliveries waiting in a paused node's queue: (sent, announcement, forged).
+    backlog: Vec<(Ns, Mail, bool)>,
     /// Counted as active in the measures.
     active: bool,
+    /// How far this replica's host clock is off (every node started in it).
+    clock: chrono::Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -70,6 +69,8 @@ enum Event {
         inc: u32,
         sent: Ns,
         mail: Mail,
+        /// Sent by the attacker.
+        forged: bool,
     },
     Attack,
     Start {
@@ -150,7 +151,7 @@ pub fn run(cfg: &SimConfig) -> Report {
 
 impl<'a> World<'a> {
     fn new(cfg: &'a SimConfig) -> Self {
-        let slots = (0..cfg.nodes)
+        let mut slots: Vec<Slot> = (0..cfg.nodes)
             .map(|i| Slot {
                 election: None,
                 admission: None,
@@ -165,8 +166,18 @@ impl<'a> World<'a> {
                 isolated: false,
                 backlog: Vec::new(),
                 active: false,
+                clock: chrono::Duration::zero(),
             })
             .collect();
+        // Host clocks from a generator of their own: a skewed run draws the same numbers
+        // for everything else as an unskewed one.
+        let mut clocks = StdRng::seed_from_u64(cfg.seed ^ 0xc10c);
+        let skew = cfg.clock_skew.as_nanos() as i64;
+        for slot in &mut slots {
+            if skew > 0 {
+                slot.clock = chrono::Duration::nanoseconds(clocks.random_range(-skew..=skew));
+            }
+        }
         let mut world = Self {
             cfg,
             rng: StdRng::seed_from_u64(cfg.seed),
@@ -221,6 +232,7 @@ impl<'a> World<'a> {
             announce_interval_s: cfg.announce_interval.as_secs_f64(),
             attack: cfg.attack,
             secret: cfg.secret,
+            clock_skew_s: cfg.clock_skew.as_secs_f64(),
         }
     }
 
@@ -237,11 +249,16 @@ impl<'a> World<'a> {
         self.base + Duration::from_nanos(self.now)
     }
 
-    /// The wall clock every node shares (no skew simulated), fixed for determinism.
+    /// The true time, fixed for determinism; the attacker's clock.
     fn wall(&self) -> DateTime<Utc> {
         DateTime::<Utc>::UNIX_EPOCH
             + chrono::Duration::days(20_000)
             + chrono::Duration::nanoseconds(self.now as i64)
+    }
+
+    /// The wall clock of the host of `slot` (off by its skew).
+    fn wall_at(&self, slot: usize) -> DateTime<Utc> {
+        self.wall() + self.slots[slot].clock
     }
 
     fn handle(&mut self, event: Event) {
@@ -252,7 +269,8 @@ impl<'a> World<'a> {
                 inc,
                 sent,
                 mail,
-            } => self.deliver(slot, inc, sent, mail),
+                forged,
+            } => self.deliver(slot, inc, sent, mail, forged),
             Event::Attack => self.attack(),
             Event::Start { slot } => self.start(slot),
             Event::Disrupt => self.disrupt(),
@@ -266,7 +284,7 @@ impl<'a> World<'a> {
         let mut timing = Timing::new(self.cfg.announce_interval, self.cfg.member_ttl);
         timing.rule = self.cfg.election_rule(self.slots[slot].rule);
         let now = self.instant();
-        let wall = self.wall();
+        let wall = self.wall_at(slot);
         let s = &mut self.slots[slot];
         s.inc += 1;
         s.paused = false;
@@ -292,33 +310,44 @@ impl<'a> World<'a> {
         self.flush(slot);
     }
 
-    fn deliver(&mut self, slot: usize, inc: u32, sent: Ns, mail: Mail) {
+    fn deliver(&mut self, slot: usize, inc: u32, sent: Ns, mail: Mail, forged: bool) {
         let s = &mut self.slots[slot];
         if s.inc != inc || s.election.is_none() || s.isolated {
             return;
         }
         if s.paused {
-            s.backlog.push((sent, mail));
+            s.backlog.push((sent, mail, forged));
             return;
         }
-        self.step(slot, sent, &mail);
+        self.step(slot, sent, &mail, forged);
         self.flush(slot);
     }
 
     /// One delivery into the node: judged by its admission, then (if it counts) into
     /// the election; its own echo also measures its lag.
-    fn step(&mut self, slot: usize, sent: Ns, mail: &Envelope) {
+    fn step(&mut self, slot: usize, sent: Ns, mail: &Envelope, forged: bool) {
         let now = self.instant();
-        let wall = self.wall();
+        let wall = self.wall_at(slot);
         let lag = Duration::from_nanos(self.now - sent);
         let s = &mut self.slots[slot];
         let (Some(e), Some(admission)) = (s.election.as_mut(), s.admission.as_mut()) else {
             return;
         };
-        let Ok(a) = admission.admit(now, wall, mail) else {
-            self.measures.rejected += 1;
-            return;
+        let a = match admission.admit(now, wall, mail) {
+            Ok(a) => a,
+            Err(Rejected::Unvouched { answer, .. }) => {
+                self.measures.unvouched += 1;
+                if answer {
+                    e.unvouched();
+                }
+                return;
+            }
+            Err(_) => {
+                self.measures.rejected += 1;
+                return;
+            }
         };
+        self.measures.attacker_counted += u64::from(forged);
         e.step(now, a.heard());
         if a.node_id == e.id() {
             e.observe_own_lag(now, lag);
@@ -329,7 +358,8 @@ impl<'a> World<'a> {
     fn flush(&mut self, slot: usize) {
         let mut sends = Vec::new();
         let mut exit = false;
-        let wall = self.wall();
+        let wall = self.wall_at(slot);
+        let now = self.instant();
         let s = &mut self.slots[slot];
         if let Some(e) = s.election.as_mut() {
             while let Some(out) = e.poll_output() {
@@ -345,6 +375,7 @@ impl<'a> World<'a> {
                             leaving: a.leaving,
                             probe: a.probe,
                             withdrawn: a.withdrawn,
+                            after: None,
                         })
                     }
                     Output::Exit { .. } => exit = true,
@@ -353,7 +384,10 @@ impl<'a> World<'a> {
             }
         }
         for a in sends {
-            let mail = Rc::new(self.policy.seal(&a));
+            let Some(admission) = self.slots[slot].admission.as_mut() else {
+                break;
+            };
+            let mail = Rc::new(admission.seal(now, &a));
             self.broadcast(slot, mail);
         }
         if exit {
@@ -402,6 +436,7 @@ impl<'a> World<'a> {
                         inc,
                         sent: self.now,
                         mail: mail.clone(),
+                        forged: attacker,
                     };
                     self.schedule(self.now + delay, event);
                 }
@@ -423,6 +458,7 @@ impl<'a> World<'a> {
                 leaving,
                 probe: false,
                 withdrawn: false,
+                after: Some(Vec::new()),
             };
             let target = self
                 .target()
@@ -452,7 +488,11 @@ impl<'a> World<'a> {
                 self.send_to_all(Rc::new(mail), None);
             }
         }
-        let old = self.now.saturating_sub(ns(REPLAY_AFTER));
+        // Only what it captured long enough ago that the news is old everywhere: a copy
+        // of an announcement a node missed counts there while the news is recent (at most
+        // about 2 × member_ttl, see `timeoutd::admission`), as the original would have.
+        let replay_after = self.cfg.member_ttl * 2 + self.cfg.announce_interval;
+        let old = self.now.saturating_sub(ns(replay_after));
         let ripe = self
             .captured
             .iter()
@@ -616,9 +656,9 @@ impl<'a> World<'a> {
         let backlog = std::mem::take(&mut s.backlog);
         self.measures.disrupted(self.now);
         let ttl = ns(self.cfg.member_ttl);
-        for (sent, mail) in backlog {
+        for (sent, mail, forged) in backlog {
             if self.now - sent <= ttl {
-                self.step(slot, sent, &mail);
+                self.step(slot, sent, &mail, forged);
             }
         }
         self.tick(slot, inc);

@@ -50,6 +50,9 @@ struct Args {
     /// user) instead of their own broker user.
     #[arg(long)]
     secret: bool,
+    /// Each node's host clock is off by up to this much either way (uniform): 30s, 10m.
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    clock_skew: Duration,
 }
 
 /// `0.05` or `5%`, between 0 and 1.
@@ -83,6 +86,7 @@ fn main() -> anyhow::Result<()> {
     cfg.duration = Duration::from_secs(args.seconds);
     cfg.attack = args.attack;
     cfg.secret = args.secret;
+    cfg.clock_skew = args.clock_skew;
     cfg.links = Links {
         base: args.base_delay,
         jitter: args.jitter,
