@@ -52,8 +52,9 @@ pub struct Refusal {
 }
 
 /// An arriving message's properties judged against the bounds, `frame_max` being the
-/// connection's negotiated one.
-pub fn judge(props: &BasicProperties, frame_max: u32) -> Result<(), Refusal> {
+/// connection's negotiated one. The delivery count is read only on a redelivery: then
+/// the broker set it; on a first delivery it may be a header the publisher forwarded.
+pub fn judge(props: &BasicProperties, frame_max: u32, redelivered: bool) -> Result<(), Refusal> {
     let headers = props.headers().as_ref();
     if let Some(why) = headers.and_then(|h| h.inner().get(lapin::REFUSED_HEADER)) {
         let why = match why {
@@ -79,7 +80,7 @@ pub fn judge(props: &BasicProperties, frame_max: u32) -> Result<(), Refusal> {
                 why: format!("{values} header values, over the bound of {MAX_VALUES}"),
             });
         }
-        if let Some(n) = delivery_count(h).filter(|n| *n > MAX_DELIVERIES) {
+        if let Some(n) = delivery_count(h).filter(|n| redelivered && *n > MAX_DELIVERIES) {
             return Err(Refusal {
                 result: REDELIVERED,
                 why: format!(
@@ -183,8 +184,8 @@ mod tests {
     fn depth_and_values_are_bounded() {
         assert_eq!(shape(&nested(1)), (0, 1));
         assert_eq!(shape(&nested(3)), (2, 3));
-        assert!(judge(&with_headers(nested(MAX_DEPTH)), 131_072).is_ok());
-        let deep = judge(&with_headers(nested(MAX_DEPTH + 1)), 131_072).unwrap_err();
+        assert!(judge(&with_headers(nested(MAX_DEPTH)), 131_072, true).is_ok());
+        let deep = judge(&with_headers(nested(MAX_DEPTH + 1)), 131_072, true).unwrap_err();
         assert_eq!(deep.result, TOO_DEEP);
         let mut a = FieldTable::default();
         a.insert(
@@ -192,7 +193,7 @@ mod tests {
             AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::Void; MAX_VALUES])),
         );
         assert_eq!(
-            judge(&with_headers(a), 131_072).unwrap_err().result,
+            judge(&with_headers(a), 131_072, true).unwrap_err().result,
             TOO_MANY
         );
     }
@@ -211,8 +212,8 @@ mod tests {
         let empty = header_frame_size(&padded(0));
         let props = padded(131_072 - HEADROOM + 1 - empty);
         assert_eq!(header_frame_size(&props), 131_072 - HEADROOM + 1);
-        assert_eq!(judge(&props, 131_072).unwrap_err().result, TOO_LARGE);
-        assert!(judge(&props, 131_073).is_ok());
+        assert_eq!(judge(&props, 131_072, true).unwrap_err().result, TOO_LARGE);
+        assert!(judge(&props, 131_073, true).is_ok());
     }
 
     #[test]
@@ -222,13 +223,17 @@ mod tests {
             "x-delivery-count".into(),
             AMQPValue::LongLongInt(MAX_DELIVERIES),
         );
-        assert!(judge(&with_headers(h.clone()), 131_072).is_ok());
+        assert!(judge(&with_headers(h.clone()), 131_072, true).is_ok());
         h.insert(
             "x-delivery-count".into(),
             AMQPValue::LongLongInt(MAX_DELIVERIES + 1),
         );
+        assert!(
+            judge(&with_headers(h.clone()), 131_072, false).is_ok(),
+            "a first delivery's count is the publisher's"
+        );
         assert_eq!(
-            judge(&with_headers(h), 131_072).unwrap_err().result,
+            judge(&with_headers(h), 131_072, true).unwrap_err().result,
             REDELIVERED
         );
     }
@@ -241,7 +246,7 @@ mod tests {
             AMQPValue::LongString("deeper than 64".into()),
         );
         assert_eq!(
-            judge(&with_headers(h), 131_072).unwrap_err().result,
+            judge(&with_headers(h), 131_072, true).unwrap_err().result,
             TOO_DEEP
         );
     }

@@ -327,7 +327,7 @@ impl Ingress {
 /// A delivery as the ingress takes it: judged by its properties (see `frame`) before
 /// they are converted.
 fn arrived(d: lapin::message::Delivery, frame_max: u32) -> Arrived {
-    let message = judge(&d.properties, frame_max).map(|()| Message {
+    let message = judge(&d.properties, frame_max, d.redelivered).map(|()| Message {
         exchange: d.exchange.as_str().to_owned(),
         routing_key: d.routing_key.as_str().to_owned(),
         properties: wire_properties(&d.properties),
