@@ -288,3 +288,93 @@ async fn with_a_group_secret_clocks_30_s_and_10_min_apart_elect_one_active_node(
         eprintln!("clocks {offsets:?} (secret): one active node {took:?} after the last was ready");
     }
 }
+
+/// A node of the previous version: announces with the daemons' user and `seq`, but
+/// names nothing (no `after`), as that version does, until `stop`, then leaves.
+async fn previous_version_node(group: &str, id: &str, stop: tokio_util::sync::CancellationToken) {
+    let conn = amqp_at(&amqp_url()).await;
+    let user = url::Url::parse(&amqp_url())
+        .expect("url")
+        .username()
+        .to_owned();
+    let props = BasicProperties::default()
+        .with_type(timeoutd::wire::announcement::MESSAGE_TYPE.into())
+        .with_content_type("application/json".into())
+        .with_user_id(user.as_str().into());
+    let ch = conn.create_channel().await.expect("channel");
+    let mut seq = 0;
+    loop {
+        let leaving = stop.is_cancelled();
+        seq += 1;
+        let body = format!(
+            r#"{{"node_id":"{id}","group":"{group}","sent_at":"{}","seq":{seq},"active":true,"leaving":{leaving},"probe":false,"withdrawn":false}}"#,
+            Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true)
+        );
+        ch.basic_publish(
+            ANNOUNCE.into(),
+            group.into(),
+            BasicPublishOptions::default(),
+            body.as_bytes(),
+            props.clone(),
+        )
+        .await
+        .expect("publish");
+        if leaving {
+            break;
+        }
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+    }
+    let _ = conn.close(200, "OK".into()).await;
+}
+
+/// A rolling upgrade from the version before `after`, clocks agreeing: a current node
+/// counts the earlier one (judged by `sent_at`, as that version judges), defers to its
+/// lower id, and takes over once it leaves: one active node throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_of_the_previous_version_counts_while_clocks_agree() {
+    const OLD: &str = "00000000-0000-4000-8000-00000000000b";
+    let world = World::new().await;
+    world.migrate().await;
+    let group = world.group.clone();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let old = tokio::spawn({
+        let (group, stop) = (group.clone(), stop.clone());
+        async move { previous_version_node(&group, OLD, stop).await }
+    });
+    let node = daemon(&world, "").await;
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let s = status(node.http_addr).await;
+        let knows_old = s["members"]
+            .as_array()
+            .is_some_and(|m| m.iter().any(|m| m["node_id"] == OLD));
+        if s["settled"] == true && knows_old && s["role"] == "passive" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the old node does not count: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // It stays counted and lower for a few announce intervals.
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(status(node.http_addr).await["role"], "passive");
+    }
+    stop.cancel();
+    old.await.expect("old node");
+    let deadline = Instant::now() + PATIENCE;
+    while status(node.http_addr).await["role"] != "active" {
+        assert!(
+            Instant::now() < deadline,
+            "no takeover after the old node left"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(node);
+    world.cleanup().await;
+}
