@@ -135,10 +135,11 @@ ALTER FUNCTION delayed_usage_truncate() SECURITY DEFINER;
 
 -- A delayed message written through the API, within every bound the ingress applies:
 -- refused here with a clear SQLSTATE (see docs/integrating/sql-api.md) rather than
--- stored held. Returns the stored properties.
+-- stored held. Returns the stored properties. Folds the owner's ledger when it is long,
+-- as the ingest does for its owners.
 CREATE OR REPLACE FUNCTION api_admit_delayed(exchange text, body bytea, deliver_at timestamptz,
     properties jsonb, message_id text) RETURNS jsonb
-LANGUAGE plpgsql STABLE AS $$
+LANGUAGE plpgsql AS $$
 DECLARE
     r api_rules;
     stored jsonb;
@@ -181,9 +182,18 @@ BEGIN
             api_owner(), used_messages, used_bytes, size, r.max_pending_per_owner, r.max_bytes_per_owner
             USING ERRCODE = 'configuration_limit_exceeded';
     END IF;
+    IF ledger_rows > 32 THEN
+        PERFORM delayed_usage_fold(ARRAY[api_owner()]);
+    END IF;
     RETURN stored;
 END
 $$;
+
+-- The ledger read above as a plain index scan, which marks the entries of rows a fold
+-- deleted as dead; a bitmap scan, which the planner prefers, walks them all every time
+-- (measured: 1.7 ms a call after 8,000 calls, against 0.3 ms).
+ALTER FUNCTION api_admit_delayed(text, bytea, timestamptz, jsonb, text)
+    SET enable_bitmapscan = off;
 
 -- Expect a message: the TimeOut fires at timeout_at unless the row is cancelled first.
 -- With an idempotency_key, a second call by the same owner with the same key while the
@@ -338,7 +348,6 @@ DECLARE
     new_id text := coalesce(schedule_delayed.message_id, schedule_delayed.properties->>'message_id',
                         gen_random_uuid()::text);
     me text := api_owner();
-    long boolean;
 BEGIN
     IF schedule_delayed.deliver_at IS NULL OR schedule_delayed.body IS NULL
        OR schedule_delayed.exchange IS NULL OR schedule_delayed.routing_key IS NULL THEN
@@ -353,12 +362,6 @@ BEGIN
             schedule_delayed.deliver_at, schedule_delayed.properties, new_id),
         schedule_delayed.body)
     ON CONFLICT (owner, message_id) DO NOTHING;
-    -- Keep the owner's ledger short, as the ingest does for its owners.
-    SELECT count(*) > 32 INTO long FROM (SELECT 1 FROM delayed_usage AS u
-        WHERE u.owner = me LIMIT 33) AS l;
-    IF long THEN
-        PERFORM delayed_usage_fold(ARRAY[me]);
-    END IF;
     RETURN new_id;
 END
 $$;
@@ -385,8 +388,7 @@ DECLARE
         'api_expectation_owner(text)'::regprocedure,
         'api_destination(text, text)'::regprocedure,
         'api_admit_delayed(text, bytea, timestamptz, jsonb, text)'::regprocedure,
-        'api_role()'::regprocedure,
-        'delayed_usage_fold(text[])'::regprocedure];
+        'api_role()'::regprocedure];
     functions regprocedure[] := ARRAY[
         'api_version()'::regprocedure,
         'expect(text, text, text, timestamptz, text, jsonb, text, text, uuid)'::regprocedure,
@@ -403,7 +405,16 @@ DECLARE
         'retry_delayed(text, text)'::regprocedure];
     grantable boolean := false;
 BEGIN
-    FOREACH f IN ARRAY helpers || functions LOOP
+    -- The helpers run only inside the API's functions, whose search_path is pinned:
+    -- without a SET of their own they cost no settings switch per call, and the SQL ones
+    -- are inlined.
+    FOREACH f IN ARRAY helpers || ARRAY['api_owner()'::regprocedure,
+            'api_acting_owner(text)'::regprocedure, 'api_traceparent(text)'::regprocedure,
+            'api_properties(jsonb, text)'::regprocedure] LOOP
+        EXECUTE format('ALTER FUNCTION %s RESET search_path', f);
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
+    END LOOP;
+    FOREACH f IN ARRAY functions || 'delayed_usage_fold(text[])'::regprocedure LOOP
         EXECUTE format('ALTER FUNCTION %s SET search_path = %I, pg_temp', f, current_schema());
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);
     END LOOP;
