@@ -340,12 +340,17 @@ async fn migrate_at(url: &str, schema: &str) {
         [
             ("TIMEOUTD__POSTGRES__URL".to_owned(), url.to_owned()),
             ("TIMEOUTD__POSTGRES__SCHEMA".to_owned(), schema.to_owned()),
+            // The rows' TimeOuts go to inboxes on the default exchange (see `World::env`).
+            (
+                "TIMEOUTD__TIMEOUTS__ALLOW_DEFAULT_EXCHANGE".to_owned(),
+                "true".to_owned(),
+            ),
         ],
     )
     .expect("settings");
     settings.postgres.migrate_on_start = false;
     let store = timeoutd::store::Store::connect(&settings.postgres).expect("store");
-    store.migrate().await.expect("migrate");
+    store.migrate_for(&settings, "test").await.expect("migrate");
     store.close().await;
 }
 
