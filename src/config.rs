@@ -300,6 +300,8 @@ pub struct Timeouts {
     pub allowed_exchanges: Vec<String>,
     /// The default exchange `""` (straight into any queue by name) as a destination.
     pub allow_default_exchange: bool,
+    /// Largest payload `expect()` takes, as JSON text.
+    pub max_payload: bytesize::ByteSize,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

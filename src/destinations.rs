@@ -2,37 +2,66 @@
 //! TimeOuts. The daemon publishes with its own broker rights on behalf of publishers who
 //! may hold far fewer: the exchange a message or a row names is judged here, at ingest,
 //! again at delivery (rows written directly, by an earlier version, or under an earlier
-//! configuration), and, in the form [`Destinations::sql`] gives, at the SQL door.
+//! configuration), and at the SQL door.
+//!
+//! The rule is one ordered list of steps, the first that matches deciding. The daemon
+//! walks it here; the SQL door walks the same list, written to `api_rules` in the form
+//! [`Destinations::sql`] gives (POSIX regular expressions), so the two cannot differ.
 
 use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
+use serde::Serialize;
 
 /// The exchanges one kind of message may be delivered to.
 #[derive(Debug, Clone)]
 pub struct Destinations {
-    /// What is delivered, for the reasons given.
-    what: &'static str,
-    /// The setting that allows more, for the reasons given.
-    setting: &'static str,
     target: String,
-    allowed: GlobSet,
-    /// The patterns of `allowed`, for the SQL form.
-    patterns: Vec<String>,
-    /// Names refused by default that the setting names exactly (TimeOuts only).
-    explicit: Vec<String>,
-    announce: String,
-    ingress: String,
-    /// `delay.exchange` as configured.
-    ingress_template: String,
-    /// Every group's ingress: `delay.exchange` with `{group}` as a wildcard.
-    any_ingress: GlobSet,
+    steps: Vec<Step>,
 }
 
-/// A rule in the form the SQL door reads (POSIX regular expressions, as Postgres' `~`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SqlRule {
-    pub allowed: String,
-    pub explicit: Vec<String>,
-    pub never: String,
+/// One step of the rule: the exchanges it matches, and its verdict on them.
+#[derive(Debug, Clone)]
+struct Step {
+    matches: Matcher,
+    /// `None`: allowed; otherwise why not, said after the exchange's name.
+    refuse: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+enum Matcher {
+    Name(String),
+    /// Names or glob patterns, and the same as one POSIX regular expression.
+    Globs(GlobSet, String),
+    /// `amq.*`: the broker's own exchanges.
+    Broker,
+    Any,
+}
+
+impl Matcher {
+    fn is_match(&self, exchange: &str) -> bool {
+        match self {
+            Self::Name(n) => n == exchange,
+            Self::Globs(g, _) => g.is_match(exchange),
+            Self::Broker => exchange.starts_with("amq."),
+            Self::Any => true,
+        }
+    }
+
+    /// The same as a POSIX regular expression (Postgres' `~`).
+    fn are(&self) -> String {
+        match self {
+            Self::Name(n) => format!("^{}$", are_escape(n)),
+            Self::Globs(_, are) => are.clone(),
+            Self::Broker => "^amq\\.".to_owned(),
+            Self::Any => String::new(),
+        }
+    }
+}
+
+/// One step as the SQL door reads it (migration 0012's `api_destination`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SqlStep {
+    pub pattern: String,
+    pub refuse: Option<String>,
 }
 
 /// The names a deployment's [`Destinations`] are made of.
@@ -63,43 +92,27 @@ pub enum DestinationError {
 const GROUP: &str = "{group}";
 
 impl Destinations {
+    /// The rule for delayed messages: `n.target` and what `n.allowed` matches, never the
+    /// default exchange, `amq.*`, the announcement exchange or an ingress exchange.
     pub fn new(n: Names<'_>) -> Result<Self, DestinationError> {
-        let destinations = Self::build(n)?;
-        if let Some(why) = destinations.never(n.target) {
+        let what = "delayed messages";
+        let mut steps = never(n, what, &[])?;
+        let refused = steps.iter().find(|s| s.matches.is_match(n.target));
+        if let Some(why) = refused.and_then(|s| s.refuse.as_deref()) {
             return Err(DestinationError::Target(format!(
                 "{:?} can never receive delayed messages: {why}",
                 n.target
             )));
         }
-        Ok(destinations)
-    }
-
-    fn build(n: Names<'_>) -> Result<Self, DestinationError> {
-        let mut allowed = GlobSetBuilder::new();
-        for pattern in n.allowed {
-            allowed.add(glob(pattern)?);
-        }
-        let any_ingress = n
-            .ingress_template
-            .split(GROUP)
-            .map(globset::escape)
-            .collect::<Vec<_>>()
-            .join("*");
+        steps.push(allow(Matcher::Name(n.target.to_owned())));
+        steps.extend(globs(n.allowed)?.map(allow));
+        steps.push(refuse(
+            Matcher::Any,
+            "is not delay.target_exchange and matches no delay.allowed_exchanges".to_owned(),
+        ));
         Ok(Self {
-            what: "delayed messages",
-            setting: "is not delay.target_exchange and matches no delay.allowed_exchanges",
             target: n.target.to_owned(),
-            allowed: build(allowed)?,
-            patterns: n.allowed.to_vec(),
-            explicit: Vec::new(),
-            announce: n.announce.to_owned(),
-            ingress: n.ingress.to_owned(),
-            ingress_template: n.ingress_template.to_owned(),
-            any_ingress: build({
-                let mut b = GlobSetBuilder::new();
-                b.add(glob(&any_ingress)?);
-                b
-            })?,
+            steps,
         })
     }
 
@@ -113,35 +126,32 @@ impl Destinations {
         allowed: &[String],
         default_exchange: bool,
     ) -> Result<Self, DestinationError> {
-        let mut rule = Self::build(Names {
-            target: "",
-            allowed,
-            ..n
-        })?;
-        rule.what = "TimeOuts";
-        rule.setting = "matches no timeouts.allowed_exchanges";
-        rule.explicit = allowed
+        let explicit: Vec<String> = allowed
             .iter()
             .filter(|a| a.starts_with("amq.") && !a.contains(['*', '?', '[', '{', '\\']))
             .cloned()
             .chain(default_exchange.then(String::new))
             .collect();
-        Ok(rule)
+        let mut steps = never(n, "TimeOuts", &explicit)?;
+        steps.extend(globs(allowed)?.map(allow));
+        steps.push(refuse(
+            Matcher::Any,
+            "matches no timeouts.allowed_exchanges".to_owned(),
+        ));
+        Ok(Self {
+            target: String::new(),
+            steps,
+        })
     }
 
     /// Allows nothing: what a node falls back to if its settings were never validated.
     pub fn nowhere() -> Self {
         Self {
-            what: "messages",
-            setting: "is allowed by no valid setting",
             target: String::new(),
-            allowed: GlobSet::empty(),
-            patterns: Vec::new(),
-            explicit: Vec::new(),
-            announce: String::new(),
-            ingress: String::new(),
-            ingress_template: String::new(),
-            any_ingress: GlobSet::empty(),
+            steps: vec![refuse(
+                Matcher::Any,
+                "is allowed by no valid setting".to_owned(),
+            )],
         }
     }
 
@@ -152,79 +162,96 @@ impl Destinations {
 
     /// The rule: `Err` says why `exchange` may not receive the message.
     pub fn check(&self, exchange: &str) -> Result<(), String> {
-        if let Some(why) = self.never(exchange) {
-            if self.explicit.iter().any(|e| e == exchange) && !self.steers(exchange) {
-                return Ok(());
-            }
-            return Err(format!(
-                "exchange {exchange:?} never receives {} ({why})",
-                self.what
-            ));
-        }
-        if (!self.target.is_empty() && exchange == self.target) || self.allowed.is_match(exchange) {
-            return Ok(());
-        }
-        Err(format!("exchange {exchange:?} {}", self.setting))
-    }
-
-    /// The rule as the SQL door reads it (migration 0011's `api_rules`): POSIX regular
-    /// expressions of what is allowed and of the announcement and ingress exchanges,
-    /// and the names allowed despite the default refusal.
-    pub fn sql(&self) -> SqlRule {
-        let allowed = std::iter::once(&self.target)
-            .filter(|t| !t.is_empty())
-            .map(|t| format!("^{}$", are_escape(t)))
-            .chain(
-                self.patterns
-                    .iter()
-                    .map(|p| format!("^{}$", glob_to_are(p))),
-            )
-            .collect::<Vec<_>>();
-        SqlRule {
-            allowed: if allowed.is_empty() {
-                "^$".to_owned()
-            } else {
-                allowed.join("|")
-            },
-            explicit: self.explicit.clone(),
-            never: format!(
-                "^{}$|^{}$|^{}$",
-                are_escape(&self.announce),
-                are_escape(&self.ingress),
-                self.any_ingress_pattern()
-            ),
+        match walk(&self.steps, exchange) {
+            None => Ok(()),
+            Some(why) => Err(format!("exchange {exchange:?} {why}")),
         }
     }
 
-    /// The announcement exchange and the ingress exchanges: refused even when named.
-    fn steers(&self, exchange: &str) -> bool {
-        exchange == self.announce || exchange == self.ingress || self.any_ingress.is_match(exchange)
-    }
-
-    fn any_ingress_pattern(&self) -> String {
-        self.ingress_template
-            .split(GROUP)
-            .map(are_escape)
-            .collect::<Vec<_>>()
-            .join(".*")
-    }
-
-    /// Exchanges refused whatever is configured, and why.
-    fn never(&self, exchange: &str) -> Option<&'static str> {
-        if exchange.is_empty() {
-            Some("the default exchange reaches every queue by name")
-        } else if exchange.starts_with("amq.") {
-            Some("amq.* exchanges are the broker's")
-        } else if exchange == self.announce {
-            Some("the announcement exchange steers the election")
-        } else if exchange == self.ingress || self.any_ingress.is_match(exchange) {
-            Some("an ingress exchange would delay it again, or for another group")
-        } else {
-            None
-        }
+    /// The rule as the SQL door walks it: the same steps in the same order, each a POSIX
+    /// regular expression and its verdict.
+    pub fn sql(&self) -> Vec<SqlStep> {
+        self.steps
+            .iter()
+            .map(|s| SqlStep {
+                pattern: s.matches.are(),
+                refuse: s.refuse.clone(),
+            })
+            .collect()
     }
 }
 
+/// The verdict of the first step that matches: `None` allowed, or why not (no step
+/// matching refuses too, though every rule ends with one that matches all).
+fn walk<'s>(steps: &'s [Step], exchange: &str) -> Option<&'s str> {
+    match steps.iter().find(|s| s.matches.is_match(exchange)) {
+        Some(s) => s.refuse.as_deref(),
+        None => Some("is allowed by no rule"),
+    }
+}
+
+fn allow(matches: Matcher) -> Step {
+    Step {
+        matches,
+        refuse: None,
+    }
+}
+
+fn refuse(matches: Matcher, why: String) -> Step {
+    Step {
+        matches,
+        refuse: Some(why),
+    }
+}
+
+/// The steps that come first whatever is allowed: the announcement and ingress exchanges
+/// (they steer the group) always refused; then `explicit` names allowed; then the
+/// default exchange and `amq.*` refused.
+fn never(n: Names<'_>, what: &str, explicit: &[String]) -> Result<Vec<Step>, DestinationError> {
+    let never = |why: &str| format!("never receives {what} ({why})");
+    let any_ingress = n
+        .ingress_template
+        .split(GROUP)
+        .map(globset::escape)
+        .collect::<Vec<_>>()
+        .join("*");
+    let ingress_why = never("an ingress exchange would delay it again, or for another group");
+    let mut steps = vec![
+        refuse(
+            Matcher::Name(n.announce.to_owned()),
+            never("the announcement exchange steers the election"),
+        ),
+        refuse(Matcher::Name(n.ingress.to_owned()), ingress_why.clone()),
+    ];
+    steps.extend(globs(&[any_ingress])?.map(|m| refuse(m, ingress_why.clone())));
+    steps.extend(explicit.iter().map(|e| allow(Matcher::Name(e.clone()))));
+    steps.push(refuse(
+        Matcher::Name(String::new()),
+        never("the default exchange reaches every queue by name"),
+    ));
+    steps.push(refuse(
+        Matcher::Broker,
+        never("amq.* exchanges are the broker's"),
+    ));
+    Ok(steps)
+}
+
+/// Names or glob patterns as one matcher; none when there are none.
+fn globs(patterns: &[String]) -> Result<Option<Matcher>, DestinationError> {
+    if patterns.is_empty() {
+        return Ok(None);
+    }
+    let mut set = GlobSetBuilder::new();
+    for pattern in patterns {
+        set.add(glob(pattern)?);
+    }
+    let are = patterns
+        .iter()
+        .map(|p| format!("^{}$", glob_to_are(p)))
+        .collect::<Vec<_>>()
+        .join("|");
+    Ok(Some(Matcher::Globs(build(set)?, are)))
+}
 /// A name as a POSIX regular expression matching exactly it.
 fn are_escape(name: &str) -> String {
     let mut out = String::with_capacity(name.len());
@@ -491,20 +518,17 @@ mod tests {
         ];
         for r in &rules {
             let sql = r.sql();
-            let allowed = Regex::new(&sql.allowed).expect("allowed");
-            let never = Regex::new(&sql.never).expect("never");
-            // As migration 0011's api_destination() reads them.
+            let steps: Vec<(Regex, Option<String>)> = sql
+                .iter()
+                .map(|s| (Regex::new(&s.pattern).expect("pattern"), s.refuse.clone()))
+                .collect();
+            // As migration 0012's api_destination() walks them: the first match decides.
             for name in names {
-                let by_sql = if never.is_match(name) {
-                    false
-                } else if sql.explicit.iter().any(|e| e == name) {
-                    true
-                } else if name.is_empty() || name.starts_with("amq.") {
-                    false
-                } else {
-                    allowed.is_match(name)
-                };
-                assert_eq!(r.check(name).is_ok(), by_sql, "{name:?} by {sql:?}");
+                let by_sql = steps
+                    .iter()
+                    .find(|(p, _)| p.is_match(name))
+                    .map(|(_, refuse)| refuse.is_none());
+                assert_eq!(Some(r.check(name).is_ok()), by_sql, "{name:?} by {sql:?}");
             }
         }
     }

@@ -16,7 +16,11 @@ use uuid::Uuid;
 
 use super::{Due, Store, StoreError, safe};
 use crate::config::Settings;
-use crate::destinations::SqlRule;
+use serde::Serialize;
+use sqlx::types::Json;
+
+use crate::destinations::SqlStep;
+use crate::wire::SHORT_STRING_MAX;
 
 /// Why the database refused a verb (its SQLSTATE), as [`StoreError::Refused`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,34 +87,41 @@ impl Statements {
             // Written only when it differs: nodes of one configuration do not keep
             // rewriting the row.
             write_rules: format!(
-                "UPDATE {schema}.api_rules SET timeout_exchanges = $1, timeout_explicit = $2, \
-                 delayed_exchanges = $3, never_exchanges = $4, max_body = $5, \
-                 max_delay = make_interval(secs => $6::float8), max_pending_per_owner = $7, \
-                 max_bytes_per_owner = $8, max_properties = $9, max_headers = $10, \
-                 written_at = now(), written_by = $11 \
-                 WHERE (timeout_exchanges, timeout_explicit, delayed_exchanges, never_exchanges, \
-                 max_body, max_delay, max_pending_per_owner, max_bytes_per_owner, max_properties, \
-                 max_headers) IS DISTINCT FROM ($1, $2, $3, $4, $5, \
-                 make_interval(secs => $6::float8), $7, $8, $9, $10)"
+                "UPDATE {schema}.api_rules SET destinations = $1, max_body = $2, \
+                 max_delay = make_interval(secs => $3::float8), max_pending_per_owner = $4, \
+                 max_bytes_per_owner = $5, max_properties = $6, max_headers = $7, \
+                 max_payload = $8, max_short = $9, written_at = now(), written_by = $10 \
+                 WHERE (destinations, max_body, max_delay, max_pending_per_owner, \
+                 max_bytes_per_owner, max_properties, max_headers, max_payload, max_short) \
+                 IS DISTINCT FROM ($1, $2, make_interval(secs => $3::float8), $4, $5, $6, $7, \
+                 $8, $9)"
             )
             .into(),
         }
     }
 }
 
-/// What the SQL door allows (migration 0011's `api_rules`), as one node's settings say:
-/// the active node writes it when it takes over, so the door follows the configuration
-/// that fires.
+/// What the SQL door allows (`api_rules`, migrations 0011 and 0012), as one node's
+/// settings say: the active node writes it when it takes over, so the door follows the
+/// configuration that fires.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiRules {
-    pub timeouts: SqlRule,
-    pub delayed: SqlRule,
+    /// The destination rule of each kind, as the door walks it.
+    pub destinations: Json<SqlDestinations>,
     pub max_body: u64,
     pub max_delay: Duration,
     pub max_pending_per_owner: u64,
     pub max_bytes_per_owner: u64,
     pub max_properties: u32,
     pub max_headers: u32,
+    pub max_payload: u64,
+}
+
+/// `api_rules.destinations`: the steps per kind, under the names the door uses.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SqlDestinations {
+    pub expectation: Vec<SqlStep>,
+    pub delayed: Vec<SqlStep>,
 }
 
 impl ApiRules {
@@ -119,14 +130,17 @@ impl ApiRules {
     pub fn new(settings: &Settings) -> Option<Self> {
         let d = &settings.delay;
         Some(Self {
-            timeouts: settings.timeout_destinations().ok()?.sql(),
-            delayed: settings.delay_destinations().ok()?.sql(),
+            destinations: Json(SqlDestinations {
+                expectation: settings.timeout_destinations().ok()?.sql(),
+                delayed: settings.delay_destinations().ok()?.sql(),
+            }),
             max_body: d.max_body.as_u64(),
             max_delay: d.max_delay,
             max_pending_per_owner: d.max_pending_per_owner,
             max_bytes_per_owner: d.max_bytes_per_owner.as_u64(),
             max_properties: MAX_PROPERTIES,
             max_headers: MAX_HEADERS,
+            max_payload: settings.timeouts.max_payload.as_u64(),
         })
     }
 }
@@ -230,16 +244,15 @@ impl Store {
     pub async fn write_api_rules(&self, rules: &ApiRules, node: &str) -> Result<bool, StoreError> {
         let big = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         let done = sqlx::query(safe(&self.sql.api.write_rules))
-            .bind(&rules.timeouts.allowed)
-            .bind(&rules.timeouts.explicit)
-            .bind(&rules.delayed.allowed)
-            .bind(&rules.delayed.never)
+            .bind(&rules.destinations)
             .bind(big(rules.max_body))
             .bind(rules.max_delay.as_secs_f64())
             .bind(big(rules.max_pending_per_owner))
             .bind(big(rules.max_bytes_per_owner))
             .bind(i32::try_from(rules.max_properties).unwrap_or(i32::MAX))
             .bind(i32::try_from(rules.max_headers).unwrap_or(i32::MAX))
+            .bind(big(rules.max_payload))
+            .bind(SHORT_STRING_MAX as i32)
             .bind(node)
             .execute(&self.pool)
             .await

@@ -1,13 +1,11 @@
 //! Delayed messages (table `delayed_messages`): storing what the ingress receives, the
 //! due row the scan locks, and cancels.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
-use sqlx::types::Json;
 use uuid::Uuid;
 
 use serde::Serialize;
@@ -268,14 +266,9 @@ pub fn lock_delayed_sql(table: &str) -> String {
     )
 }
 
-/// Ledger rows of one owner beyond which the ingest folds them into one (see migration
-/// 0007): reading an owner's usage stays a short index scan.
-const FOLD_AT: i64 = 32;
-
 #[derive(Debug, Clone)]
 pub(super) struct Statements {
     order: Arc<str>,
-    fold: Arc<str>,
     insert: Arc<str>,
     cancel_remembered: Arc<str>,
     pub(super) lock_due: Arc<str>,
@@ -287,7 +280,6 @@ impl Statements {
     pub(super) fn new(schema: &str) -> Self {
         let t = Kind::Delayed.qualified(schema);
         let c = format!("{schema}.delayed_cancels");
-        let u = format!("{schema}.delayed_usage");
         // The lock space of this schema's ingest, apart from other schemas and other
         // users of two-key advisory locks (a collision would only make them wait).
         let space = format!("hashtext('timeoutd.delayed_messages:{schema}')");
@@ -299,9 +291,10 @@ impl Statements {
             // messages, so a cancel and the message it names, stored by two nodes at
             // once, never both miss each other (see migration 0006). A bucket is a hash
             // of owner and message_id: the pair a cancel names. In the same round trip,
-            // what the owners in $4 have stored, and in how many ledger rows: two
-            // uncorrelated subqueries of one row, both evaluated (a lock call's result is
-            // counted, so the planner cannot drop it).
+            // which messages ($4 their owners, $5 their sizes) fit the quota ($6
+            // messages, $7 bytes): the rule is migration 0012's delayed_usage_admit(),
+            // which the SQL door applies too. The lock call's result is counted, so the
+            // planner cannot drop it.
             order: format!(
                 "SELECT (SELECT count(l.locked) FROM (SELECT CASE WHEN s.cancel \
                  THEN pg_advisory_xact_lock({space}, s.b) \
@@ -310,13 +303,9 @@ impl Statements {
                  bool_or(i.cancel) AS cancel \
                  FROM unnest($1::text[], $2::text[], $3::bool[]) AS i(owner, message_id, cancel) \
                  GROUP BY 1 ORDER BY 1) AS s) AS l), \
-                 (SELECT coalesce(json_agg(json_build_array(x.owner, x.messages, x.bytes, x.rows)), '[]') \
-                 FROM (SELECT owner, sum(messages)::int8 AS messages, sum(bytes)::int8 AS bytes, \
-                 count(*) AS rows FROM {u} WHERE owner = ANY($4) GROUP BY owner) AS x)"
+                 {schema}.delayed_usage_admit($4, $5, $6, $7)"
             )
             .into(),
-            // Folds the owners' ledger rows into one each (the rule is migration 0011's).
-            fold: format!("SELECT {schema}.delayed_usage_fold($1)").into(),
             // One statement per batch; a message_id its owner has pending already (a
             // redelivery after a crash between commit and ack, or a duplicate in the
             // batch) adds nothing, and neither does one its owner's cancel message named
@@ -376,11 +365,9 @@ impl Statements {
     }
 }
 
-/// What one owner has stored: owner, messages, bytes, and the ledger rows saying so.
-type Usage = (String, i64, i64, i64);
-
-/// Bytes a stored message counts against its owner's quota, as the ingest estimates them
-/// (the ledger counts them as Postgres stores them: near enough).
+/// Bytes a stored message counts against its owner's quota: its body and its properties
+/// as JSON text, as the SQL door counts them (the ledger counts them as Postgres stores
+/// them: near enough).
 fn footprint(s: &Stored) -> u64 {
     (s.body.len() + s.properties.len()) as u64
 }
@@ -401,8 +388,7 @@ impl Store {
     ) -> Result<IngestOutcome, StoreError> {
         let mut out = IngestOutcome::default();
         let mut tx = self.begin().await?;
-        let usage = self.order(&mut tx, batch, quota).await?;
-        let admitted = self.admit(&mut tx, batch, quota, usage, &mut out).await?;
+        let admitted = self.order(&mut tx, batch, quota, &mut out).await?;
         let mut offset = 0;
         for run in
             batch.chunk_by(|a, b| matches!(a, Ingest::Store(_)) == matches!(b, Ingest::Store(_)))
@@ -420,14 +406,16 @@ impl Store {
         Ok(out)
     }
 
-    /// Take the batch's bucket locks (see `Statements::order`), and read what the owners
-    /// of its messages have stored (none without a quota to check).
+    /// Take the batch's bucket locks (see `Statements::order`), and which of its
+    /// messages their owners have room for (all without a quota to check); those without
+    /// are noted in `out`.
     async fn order(
         &self,
         tx: &mut PgConnection,
         batch: &[Ingest],
         quota: Quota,
-    ) -> Result<Vec<Usage>, StoreError> {
+        out: &mut IngestOutcome,
+    ) -> Result<Vec<bool>, StoreError> {
         let mut owners = Vec::with_capacity(batch.len());
         let mut ids = Vec::with_capacity(batch.len());
         let mut cancels = Vec::with_capacity(batch.len());
@@ -437,72 +425,45 @@ impl Store {
             ids.push(id);
             cancels.push(matches!(item, Ingest::Cancel { .. }));
         }
-        let mut storing: Vec<&str> = Vec::new();
-        if quota != Quota::NONE {
-            storing = batch
+        // The messages to judge, by their place in the batch.
+        let storing: Vec<(usize, &Stored)> = if quota == Quota::NONE {
+            Vec::new()
+        } else {
+            batch
                 .iter()
-                .filter_map(|i| match i {
-                    Ingest::Store(s) => Some(s.owner.as_str()),
+                .enumerate()
+                .filter_map(|(i, item)| match item {
+                    Ingest::Store(s) => Some((i, &**s)),
                     Ingest::Cancel { .. } => None,
                 })
-                .collect();
-            storing.sort_unstable();
-            storing.dedup();
-        }
-        let (_, usage): (i64, Json<Vec<Usage>>) = sqlx::query_as(safe(&self.sql.delayed.order))
+                .collect()
+        };
+        let big = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let (_, fits): (i64, Vec<bool>) = sqlx::query_as(safe(&self.sql.delayed.order))
             .bind(owners)
             .bind(ids)
             .bind(cancels)
-            .bind(storing)
+            .bind(
+                storing
+                    .iter()
+                    .map(|(_, s)| s.owner.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                storing
+                    .iter()
+                    .map(|(_, s)| big(footprint(s)))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(big(quota.messages))
+            .bind(big(quota.bytes))
             .fetch_one(tx)
             .await?;
-        Ok(usage.0)
-    }
-
-    /// Which messages of the batch their owners have room for, in arrival order (the
-    /// first ones fit); folds the ledger of owners it found long.
-    async fn admit(
-        &self,
-        tx: &mut PgConnection,
-        batch: &[Ingest],
-        quota: Quota,
-        usage: Vec<Usage>,
-        out: &mut IngestOutcome,
-    ) -> Result<Vec<bool>, StoreError> {
         let mut admitted = vec![true; batch.len()];
-        if quota == Quota::NONE {
-            return Ok(admitted);
-        }
-        let long: Vec<&str> = usage
-            .iter()
-            .filter(|u| u.3 > FOLD_AT)
-            .map(|u| u.0.as_str())
-            .collect();
-        if !long.is_empty() {
-            sqlx::query(safe(&self.sql.delayed.fold))
-                .bind(long)
-                .execute(&mut *tx)
-                .await?;
-        }
-        let mut used: HashMap<&str, (u64, u64)> = usage
-            .iter()
-            .map(|(o, m, b, _)| {
-                (
-                    o.as_str(),
-                    (m.max(&0).unsigned_abs(), b.max(&0).unsigned_abs()),
-                )
-            })
-            .collect();
-        for (i, item) in batch.iter().enumerate() {
-            let Ingest::Store(s) = item else { continue };
-            let (messages, bytes) = used.entry(s.owner.as_str()).or_default();
-            let size = footprint(s);
-            if *messages >= quota.messages || bytes.saturating_add(size) > quota.bytes {
-                admitted[i] = false;
-                out.over_quota.push(i);
-            } else {
-                *messages += 1;
-                *bytes += size;
+        for ((i, _), fits) in storing.iter().zip(fits) {
+            if !fits {
+                admitted[*i] = false;
+                out.over_quota.push(*i);
             }
         }
         Ok(admitted)

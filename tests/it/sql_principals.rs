@@ -45,6 +45,7 @@ fn guarded(world: &mut World) {
         [
             ("TIMEOUTD__TIMEOUTS__ALLOWED_EXCHANGES", "orders.*"),
             ("TIMEOUTD__TIMEOUTS__ALLOW_DEFAULT_EXCHANGE", "false"),
+            ("TIMEOUTD__TIMEOUTS__MAX_PAYLOAD", "1KiB"),
             ("TIMEOUTD__DELAY__TARGET_EXCHANGE", "orders.delayed"),
             ("TIMEOUTD__DELAY__MAX_BODY", "1KiB"),
             ("TIMEOUTD__DELAY__MAX_DELAY", "1h"),
@@ -177,6 +178,35 @@ async fn the_sql_door_refuses_destinations_and_sizes_the_deployment_does_not_all
         );
     }
     assert!(answer(&pm, &timeout_to("orders.out")).await.is_ok());
+    // What travels as an AMQP short string, and the payload, are bounded at the door.
+    let long = "repeat('x', 256)";
+    let payload = "jsonb_build_object('k', repeat('x', 1100))";
+    for (what, call) in [
+        (
+            "a 256-byte routing key",
+            format!("{s}.expect('p', 'T', {long}, now(), 'orders.out')"),
+        ),
+        (
+            "a 256-byte process_id",
+            format!("{s}.expect({long}, 'T', 'rk', now(), 'orders.out')"),
+        ),
+        (
+            "a 256-byte message_type",
+            format!("{s}.expect('p', {long}, 'rk', now(), 'orders.out')"),
+        ),
+        (
+            "a 256-byte idempotency key",
+            format!("{s}.expect('p', 'T', 'rk', now(), 'orders.out', idempotency_key => {long})"),
+        ),
+        (
+            "a payload over timeouts.max_payload",
+            format!("{s}.expect('p', 'T', 'rk', now(), 'orders.out', {payload})"),
+        ),
+    ] {
+        assert_eq!(answer(&pm, &call).await, Err("54000".to_owned()), "{what}");
+    }
+    let fits = format!("{s}.expect('p', 'T', repeat('x', 255), now(), 'orders.out', '{{}}')");
+    assert!(answer(&pm, &fits).await.is_ok(), "255 bytes fit");
 
     let delayed = |exchange: &str, body: &str, at: &str, properties: &str| {
         format!("{s}.schedule_delayed('{exchange}', 'rk', {body}, {at}, {properties})")
@@ -220,6 +250,19 @@ async fn the_sql_door_refuses_destinations_and_sizes_the_deployment_does_not_all
             "54000",
         ),
         (
+            "a 256-byte routing key",
+            format!("{s}.schedule_delayed('orders.delayed', repeat('k', 256), {small}, {soon})"),
+            "54000",
+        ),
+        (
+            "a 256-byte message_id",
+            format!(
+                "{s}.schedule_delayed('orders.delayed', 'rk', {small}, {soon}, \
+                 message_id => repeat('m', 256))"
+            ),
+            "54000",
+        ),
+        (
             "300 headers",
             delayed(
                 "orders.delayed",
@@ -252,6 +295,14 @@ async fn the_sql_door_refuses_destinations_and_sizes_the_deployment_does_not_all
     assert_eq!(answer(&pm, &five).await, Ok("5".to_owned()));
     let outbox = format!("{s}.publish_at_commit('orders.delayed', 'rk', 'x'::bytea)");
     assert_eq!(answer(&pm, &outbox).await, Err("53400".to_owned()));
+    // Rescheduling keeps within delay.max_delay too.
+    let later = format!("{s}.reschedule_delayed('any', 'infinity')");
+    assert_eq!(answer(&pm, &later).await, Err("54000".to_owned()));
+    // The quota answers a role about itself only.
+    let own = format!("{s}.delayed_usage_admit(ARRAY['sql:{name}'], ARRAY[1::int8], 100, 100000)");
+    assert_eq!(answer(&pm, &own).await, Ok("{t}".to_owned()));
+    let other = own.replace(&format!("sql:{name}"), "sql:victim");
+    assert_eq!(answer(&pm, &other).await, Err("42501".to_owned()));
     // The ledger is the triggers' alone: no role forges usage for another.
     let forged = format!("INSERT INTO {s}.delayed_usage VALUES ('sql:victim', 1000000000, 0)");
     let e = sqlx::query(sqlx::AssertSqlSafe(forged))

@@ -22,7 +22,7 @@ fn grants(schema: &str, daemon: &str, manager: &str) -> Vec<String> {
         format!("GRANT SELECT, UPDATE, DELETE ON {schema}.expected_messages TO {daemon}"),
         format!(
             "GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.delayed_messages, \
-             {schema}.delayed_cancels, {schema}.delayed_usage TO {daemon}"
+             {schema}.delayed_cancels TO {daemon}"
         ),
         format!("GRANT SELECT, UPDATE ON {schema}.pending_counts TO {daemon}"),
         format!("GRANT SELECT, UPDATE ON {schema}.api_rules TO {daemon}"),
