@@ -2,7 +2,8 @@
 # The SQL API's write rate without a daemon: expect() and publish_at_commit() calls a
 # second (pgbench, 2 clients, one call per transaction, RUNS runs of 10 s each) by a
 # login role granted only <schema>_api, on a schema migrated from MIGRATIONS (default:
-# this checkout's migrations/). Compare two migration sets by running it for each.
+# this checkout's migrations/, applied by target/release/timeoutd migrate, or $TIMEOUTD).
+# Compare two migration sets by running it for each.
 #   timeoutd-bench/scripts/sql_api_rate.sh [MIGRATIONS] [LABEL]
 set -euo pipefail
 MIG=${1:-migrations}
@@ -11,9 +12,15 @@ S=sql_api_rate_$L
 PG="psql -qX -v ON_ERROR_STOP=1 -U postgres -h ${PGHOST:-127.0.0.1}"
 $PG -c "DROP SCHEMA IF EXISTS $S CASCADE" -c "DROP ROLE IF EXISTS sql_api_rate_pm" 2>/dev/null
 $PG -c "CREATE SCHEMA $S"
-for f in "$MIG"/*.sql; do
-  (echo "SET search_path = $S;"; cat "$f") | $PG >/dev/null 2>&1
-done
+if [ "$MIG" = migrations ]; then
+  # This checkout's: migrated, and the SQL door's rules written, as a deployment does.
+  TIMEOUTD__POSTGRES__SCHEMA=$S TIMEOUTD__POSTGRES__URL="postgres://postgres@${PGHOST:-127.0.0.1}:5432/postgres" \
+    "${TIMEOUTD:-target/release/timeoutd}" migrate >/dev/null
+else
+  for f in "$MIG"/*.sql; do
+    (echo "SET search_path = $S;"; cat "$f") | $PG >/dev/null 2>&1
+  done
+fi
 $PG -c "CREATE ROLE sql_api_rate_pm LOGIN" -c "GRANT ${S}_api TO sql_api_rate_pm"
 dir=$(mktemp -d)
 echo "SELECT $S.expect('p' || random(), 'T', 'rk', now() + interval '1 day', 'orders');" > "$dir/expect.sql"
