@@ -213,8 +213,10 @@ impl NodeLoop {
         let now = Instant::now();
         let a = match self.admission.admit(now, Utc::now(), &envelope) {
             Ok(a) => a,
-            Err(Rejected::Unvouched { seq, answer }) => {
+            Err(e @ Rejected::Unvouched { seq, answer }) => {
                 // A newcomer, or a member heard again after a gap: our answer names it.
+                // Counted, not warned about: every node's start shows a few.
+                self.metrics().rejected(e.kind());
                 tracing::debug!(
                     seq,
                     answer,
