@@ -1,5 +1,5 @@
 //! Start, supervise, stop: a daemon is five tasks — the node task (`node`: the election
-//! and the broker connection), the scan task (`scan`: firing while active), the
+//! and the broker connection), the firing task (`scan`: firing while active), the
 //! delayed-message ingress (`ingress`, every node), the HTTP server (`http`) and the
 //! pending gauges' counter (`status::count_pending`, on a connection of its own while
 //! active) — each
@@ -29,12 +29,12 @@ use crate::config::Settings;
 use crate::console;
 use crate::election::{LeaseView, Role};
 use crate::fence::{self, Fence};
+use crate::firing::{self, Firing};
 use crate::health::Health;
 use crate::http;
 use crate::ingress::{self, Intake};
 use crate::metrics::Metrics;
 use crate::node::{Node, NodeLoop};
-use crate::scan::{self, Scan};
 pub use crate::shutdown::Exit;
 use crate::shutdown::{Stopping, sleep_or_stop};
 use crate::status::{self, Snapshot, Status};
@@ -75,7 +75,7 @@ impl Handle {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Task {
     Node,
-    Scan,
+    Firing,
     Fence,
     Http,
     Ingress,
@@ -94,7 +94,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     let settings = Arc::new(settings);
     let store = Store::connect_as(&settings.postgres, &store::session_name(node_id))?;
     // A node starts passive: its first checks and counts share one connection too, until
-    // the scan task sets the role's way (see `Store::acquire`).
+    // the firing task sets the role's way (see `Store::acquire`).
     store.lean(true);
     let observer = Store::observer(&settings.postgres, &format!("timeoutd-{node_id}-observe"))?;
     let health = Arc::new(Health::default());
@@ -164,9 +164,9 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
         metrics: metrics.clone(),
         stop: stop.clone(),
     });
-    let scan = Scan {
-        limits: scan::Limits::new(&settings),
-        memory: scan::Memory::default(),
+    let firing = Firing {
+        limits: firing::Limits::new(&settings),
+        memory: firing::Memory::default(),
         settings: settings.clone(),
         node_id,
         store: store.clone(),
@@ -181,7 +181,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
     tracing::info!(node_id = %node_id, group = %settings.election.group, "starting");
     let tasks = Tasks {
         node,
-        scan,
+        firing,
         fence,
         http,
         intake,
@@ -208,7 +208,7 @@ pub async fn start(settings: Settings, shutdown: CancellationToken) -> anyhow::R
 /// What the supervisor starts.
 struct Tasks {
     node: Node,
-    scan: Scan,
+    firing: Firing,
     fence: Fence,
     http: http::Server,
     /// The delayed-message ingress, unless `delay.enabled = false`.
@@ -255,19 +255,19 @@ async fn supervise(
     let task = set.spawn(async move { (Task::Http, http.run().await.map(|()| Exit::Stopped)) });
     running.push((task.id(), Task::Http));
     let stores = [store.clone(), tasks.observer.clone()];
-    let by = format!("node {}", tasks.scan.node_id);
+    let by = format!("node {}", tasks.firing.node_id);
     if settings.postgres.migrate_on_start && !migrate(&settings, &by, &store, &stops, &stores).await
     {
         return finish(set, running, &stores, &bus, &stops.stopping, Exit::Stopped).await;
     }
-    let (node, scan) = (tasks.node, tasks.scan);
+    let (node, firing) = (tasks.node, tasks.firing);
     let task = set.spawn(async move { (Task::Node, Ok(NodeLoop::new(node).run().await)) });
     running.push((task.id(), Task::Node));
     let task = set.spawn(async move {
-        scan::run(Arc::new(scan)).await;
-        (Task::Scan, Ok(Exit::Stopped))
+        firing::run(Arc::new(firing)).await;
+        (Task::Firing, Ok(Exit::Stopped))
     });
-    running.push((task.id(), Task::Scan));
+    running.push((task.id(), Task::Firing));
     let fence = tasks.fence;
     let task = set.spawn(async move {
         fence::fence_loop(fence).await;
@@ -388,7 +388,7 @@ async fn finish(
 fn owed(task: Task) -> Option<&'static str> {
     match task {
         Task::Node => Some("the node task (announcing `leaving`)"),
-        Task::Scan => Some("the scan task (its batches in flight)"),
+        Task::Firing => Some("the firing task (its batches in flight)"),
         Task::Ingress => Some(
             "the delay ingress (storing, acknowledging or closing its channel): what it did \
              not acknowledge is delivered again",
@@ -494,7 +494,7 @@ mod tests {
         let stops = stops();
         let mut set = JoinSet::new();
         node_until_stopped(&mut set, &stops);
-        set.spawn(async { panic!("scan task bug") });
+        set.spawn(async { panic!("firing task bug") });
         assert_eq!(first_to_end(&mut set, &stops, &[]).await, Exit::Failed);
         assert!(stops.stop.is_cancelled(), "the node task is told to leave");
     }
@@ -504,7 +504,7 @@ mod tests {
         let stops = stops();
         let mut set = JoinSet::new();
         node_until_stopped(&mut set, &stops);
-        set.spawn(async { (Task::Scan, Ok(Exit::Stopped)) });
+        set.spawn(async { (Task::Firing, Ok(Exit::Stopped)) });
         assert_eq!(first_to_end(&mut set, &stops, &[]).await, Exit::Failed);
         assert!(stops.stop.is_cancelled());
     }
@@ -531,13 +531,13 @@ mod tests {
         let mut set = JoinSet::new();
         let stuck = set.spawn(async {
             std::future::pending::<()>().await;
-            (Task::Scan, Ok(Exit::Stopped))
+            (Task::Firing, Ok(Exit::Stopped))
         });
         let idle = set.spawn(async {
             std::future::pending::<()>().await;
             (Task::Fence, Ok(Exit::Stopped))
         });
-        let running = vec![(stuck.id(), Task::Scan), (idle.id(), Task::Fence)];
+        let running = vec![(stuck.id(), Task::Firing), (idle.id(), Task::Fence)];
         stops.asked.cancel();
         assert_eq!(first_to_end(&mut set, &stops, &[]).await, Exit::Stopped);
         let (_, bus) = watch::channel(None);
@@ -551,7 +551,7 @@ mod tests {
         );
         assert_eq!(
             stops.stopping.abandoned(),
-            ["the scan task (its batches in flight)"]
+            ["the firing task (its batches in flight)"]
         );
     }
 }

@@ -16,22 +16,22 @@
 //! - [`cli`]: the command line (clap): the commands and their flags.
 //! - [`commands`]: one function per command (`run`, `migrate`, `check-config`, `expect`,
 //!   `members`, `pending`, `cancel`) and the exit codes.
-//! - [`daemon`]: start the node, scan, ingress, fencing and HTTP tasks, supervise them,
+//! - [`daemon`]: start the node, firing, ingress, fencing and HTTP tasks, supervise them,
 //!   stop within `shutdown.grace` / `shutdown.timeout` and say what was given up.
 //! - [`config`]: settings from the built-in defaults, a file and the environment;
 //!   validation naming the key; URLs and secrets that never print.
 //!
 //! Tasks (crate-private):
 //! - `node`: the node task; owns the [`election::Election`], drives it with ticks,
-//!   announcements and the node's health, publishes the lease view the scan checks.
-//! - `scan`: the firing wing, one folder (`src/scan/`; its module docs follow one
-//!   `TimeOut` through it): `scan::task` runs while active what the pure
-//!   `scan::pacer` says (start a batch, probe the due index), `scan::notice` turns
-//!   `NOTIFY` into pacer input, `scan::batch` is one transaction (lock, publish each row
-//!   at its due time by `scan::clock`, one fate per row, settle, commit), `scan::row` all
-//!   it knows of a kind of row, `scan::large` reads large contents beside the sending,
-//!   `scan::memory` what it keeps between batches about single rows, `scan::report`
-//!   what a finished batch tells, `scan::checks` a passive node's checks.
+//!   announcements and the node's health, publishes the lease view the firing task checks.
+//! - `firing`: the firing wing, one folder (`src/firing/`; its module docs follow one
+//!   `TimeOut` through it): `firing::task` runs while active what the pure
+//!   `firing::pacer` says (start a batch, probe the due index), `firing::notice` turns
+//!   `NOTIFY` into pacer input, `firing::batch` is one transaction (lock, publish each row
+//!   at its due time by `firing::clock`, one fate per row, settle, commit), `firing::row` all
+//!   it knows of a kind of row, `firing::large` reads large contents beside the sending,
+//!   `firing::memory` what it keeps between batches about single rows, `firing::report`
+//!   what a finished batch tells, `firing::checks` a passive node's checks.
 //! - `ingress`: the delay ingress task (every node): store arriving delayed messages,
 //!   acknowledge after the commit, give them back while the database is away.
 //! - `fence`: the active node ends the database sessions of departed or withdrawn members
@@ -89,11 +89,11 @@ pub mod wire;
 mod backoff;
 mod console;
 mod fence;
+mod firing;
 mod health;
 mod http;
 mod ingress;
 mod metrics;
 mod node;
-mod scan;
 mod shutdown;
 mod telemetry;

@@ -224,7 +224,7 @@ pub struct Window {
     pub horizon: Duration,
     pub fresh: Option<Duration>,
     /// Only rows due at or after this database instant (where the scan stands, see
-    /// `scan/pacer.rs`): past the index entries of every row deleted before it
+    /// `firing/pacer.rs`): past the index entries of every row deleted before it
     /// (they stay in the index until vacuum, and each scan would pass them).
     pub from: Option<DateTime<Utc>>,
 }
@@ -696,7 +696,7 @@ impl Store {
     }
 
     /// A listener on [`Store::notify_channel`] (one pooled connection, held while the
-    /// listener lives: the scan opens it only while active, see `scan::notice::listen`).
+    /// listener lives: the scan opens it only while active, see `firing::notice::listen`).
     pub async fn listener(&self) -> Result<PgListener, StoreError> {
         let session = self.session();
         session.ready().await?;
@@ -704,7 +704,7 @@ impl Store {
             .await
             .map_err(|e| session.seen(e))?;
         // A lost connection ends the listener: the scan must know when it listens again
-        // (see `scan::notice::listen`), which sqlx's own reconnect would hide.
+        // (see `firing::notice::listen`), which sqlx's own reconnect would hide.
         listener.eager_reconnect(false);
         listener.listen(&self.notify_channel()).await?;
         Ok(listener)
@@ -746,7 +746,7 @@ impl Store {
         }
     }
 
-    /// Lean or not (see [`Store::acquire`]): the scan task sets it by the node's role.
+    /// Lean or not (see [`Store::acquire`]): the firing task sets it by the node's role.
     pub(crate) fn lean(&self, lean: bool) {
         self.lean.store(lean, Ordering::Relaxed);
     }

@@ -285,7 +285,7 @@ mod tests {
         let expected = format!("database: {cause}");
         assert_eq!(Chain(&e).to_string(), expected);
         assert_eq!(format!("{:#}", anyhow::Error::new(e)), expected);
-        let scan = crate::scan::BatchError::Commit {
+        let scan = crate::firing::BatchError::Commit {
             fired: 3,
             source: crate::store::StoreError::NoAnswer(std::time::Duration::from_secs(1)),
         };

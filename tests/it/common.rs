@@ -160,7 +160,7 @@ pub struct World {
 }
 
 /// The in-process daemons' logs on stderr when `RUST_LOG` is set (e.g.
-/// `RUST_LOG=timeoutd::scan=debug cargo test --test it firing:: -- --nocapture`).
+/// `RUST_LOG=timeoutd::firing=debug cargo test --test it firing:: -- --nocapture`).
 /// Only then: the subscriber is the process's, and under `cargo test` every test of the
 /// binary shares the process (each one's expected errors would be printed amid the rest).
 pub fn trace_when_asked() {

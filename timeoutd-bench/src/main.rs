@@ -7,7 +7,7 @@
 //! ```
 //!
 //! Phases, in order (each run uses its own schema, group and queue, removed at the end):
-//! 1. baseline publish: the burst's TimeOut messages (built by `scan::timeout_message`)
+//! 1. baseline publish: the burst's TimeOut messages (built by `firing::timeout_message`)
 //!    published with lapin, mandatory, confirms awaited per window of 500, until a
 //!    consumer has received them all;
 //! 2. baseline delete: the same number of due rows deleted with sqlx, 500 per
@@ -277,7 +277,7 @@ pub(crate) struct Args {
     #[arg(long, default_value = "bench-results")]
     pub(crate) out: PathBuf,
     /// Write each daemon's stderr (JSON log lines) to `<DIR>/daemon-<pid>.log`, to trace
-    /// a phase afterwards (with e.g. `--daemon-rust-log info,timeoutd::scan=trace`).
+    /// a phase afterwards (with e.g. `--daemon-rust-log info,timeoutd::firing=trace`).
     #[arg(long)]
     pub(crate) daemon_log: Option<PathBuf>,
     /// `RUST_LOG` of the daemons.

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::Scan;
+use super::Firing;
 use super::row::Row;
 use crate::store::{Store, StoreError};
 
@@ -74,7 +74,7 @@ impl<'a, R: Row> Reader<'a, R> {
     }
 
     /// Start reading the next slot's large contents, if the connection is free.
-    pub(super) fn read_next(&mut self, scan: &'a Scan, rows: &[R], limit: usize) {
+    pub(super) fn read_next(&mut self, firing: &'a Firing, rows: &[R], limit: usize) {
         let Some(large) = self.idle.take() else {
             return;
         };
@@ -85,7 +85,7 @@ impl<'a, R: Row> Reader<'a, R> {
         let copies = positions.iter().map(|&i| rows[i].clone()).collect();
         self.busy = Some(Box::pin(async move {
             let mut large = large;
-            let (read, left, error) = fetch(scan, &mut large, copies, limit).await;
+            let (read, left, error) = fetch(firing, &mut large, copies, limit).await;
             let done = ReadDone {
                 read,
                 positions,
@@ -103,7 +103,7 @@ impl<'a, R: Row> Reader<'a, R> {
 /// Returns the rows fetched (a row still withheld was too large), and how many were left
 /// out: they stay locked but unsent (the next batch takes them first).
 async fn fetch<R: Row>(
-    scan: &Scan,
+    firing: &Firing,
     large: &mut Large<'_>,
     rows: Vec<R>,
     max: usize,
@@ -117,7 +117,7 @@ async fn fetch<R: Row>(
             continue;
         }
         let read = row.fetch_withheld(large.store, large.tx, max);
-        match scan.db(scan.limits.db_bound, read).await {
+        match firing.db(firing.limits.db_bound, read).await {
             Ok(read) => large.held += read,
             // Leave the rest too: the database is in trouble, and the settle says so.
             Err(e) => return (fetched, left + 1, Some(e)),

@@ -27,7 +27,7 @@ use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 
-use super::Scan;
+use super::Firing;
 use super::clock::{self, DbClock};
 use super::large::{Large, ReadDone, Reader};
 use super::row::Row;
@@ -122,15 +122,15 @@ impl Step {
 /// before the first rolls back (nothing has been sent yet), later it stops sending. The
 /// stop ends sending early; what was sent is still awaited and committed.
 pub(super) async fn run<R: Row>(
-    scan: &Scan,
+    firing: &Firing,
     bus: &Bus,
     window: Window,
     locked: impl FnOnce(bool, Option<DateTime<Utc>>),
 ) -> Result<BatchOutcome, BatchError> {
-    let (store, limits) = (&scan.store, &scan.limits);
+    let (store, limits) = (&firing.store, &firing.limits);
     let started = Instant::now();
-    let skip = scan.memory.skipped();
-    let lock = scan.db(limits.db_bound, async {
+    let skip = firing.memory.skipped();
+    let lock = firing.db(limits.db_bound, async {
         let (mut tx, deletes) = store.begin_batch(R::KIND).await?;
         let rows = store.lock_due::<R>(
             &mut tx,
@@ -156,9 +156,10 @@ pub(super) async fn run<R: Row>(
         steps: vec![(Step::Lock, started.elapsed())],
         ..BatchOutcome::default()
     };
-    let Some(clock) = outcome.clock.filter(|_| scan.lease() == Lease::Held) else {
+    let Some(clock) = outcome.clock.filter(|_| firing.lease() == Lease::Held) else {
         outcome.lease_lost = !rows.is_empty();
-        scan.db(limits.db_bound, async { Ok(tx.rollback().await?) })
+        firing
+            .db(limits.db_bound, async { Ok(tx.rollback().await?) })
             .await?;
         outcome.duration = started.elapsed();
         return Ok(outcome);
@@ -169,7 +170,7 @@ pub(super) async fn run<R: Row>(
             .checked_sub(limits.confirm_timeout)
             .unwrap_or(started),
         confirm_until,
-        stop: scan.stop.clone(),
+        stop: firing.stop.clone(),
     };
     let mut batch = Batch {
         due: rows
@@ -179,7 +180,7 @@ pub(super) async fn run<R: Row>(
         rows,
         clock,
         limit: bus.size_limit().min(limits.max_message_size),
-        scan,
+        firing,
         bus,
         budget: &budget,
         judged: Judged::default(),
@@ -211,7 +212,7 @@ pub(super) async fn run<R: Row>(
             }
         })
         .collect();
-    let settle = scan.db(limits.db_bound * 2, async {
+    let settle = firing.db(limits.db_bound * 2, async {
         let settled = store
             .settle(&mut tx, R::KIND, deletes, &confirmed, &judged.failures)
             .await?;
@@ -229,7 +230,7 @@ pub(super) async fn run<R: Row>(
     let settled = match settle.await {
         Ok(s) => s,
         Err(source) => {
-            scan.memory.remember_later(R::KIND, fired);
+            firing.memory.remember_later(R::KIND, fired);
             return Err(BatchError::Commit {
                 fired: confirmed.len(),
                 source,
@@ -237,7 +238,8 @@ pub(super) async fn run<R: Row>(
         }
     };
     outcome.steps.push((Step::Settle, settling.elapsed()));
-    scan.memory
+    firing
+        .memory
         .settled(R::KIND, &settled, &fired, limits.retry_min);
     outcome.fired = fired.len();
     outcome.failed = judged.failures.len();
@@ -261,7 +263,7 @@ pub(super) async fn run<R: Row>(
 /// One batch between its lock and its settle: the locked rows, in due order, each sent
 /// at its due time and judged by its own message's fate.
 struct Batch<'a, R> {
-    scan: &'a Scan,
+    firing: &'a Firing,
     bus: &'a Bus,
     budget: &'a Budget,
     rows: Vec<R>,
@@ -276,7 +278,7 @@ struct Batch<'a, R> {
 
 impl<'a, R: Row> Batch<'a, R> {
     fn lease(&self) -> Lease {
-        self.scan.lease()
+        self.firing.lease()
     }
 
     /// Send the rows at their due times — on each wake-up every row due by then (rows
@@ -291,7 +293,7 @@ impl<'a, R: Row> Batch<'a, R> {
                 Until::Read(done) => {
                     let sent = self.take_read(done);
                     in_flight.extend(sent.map(|s| Box::pin(s.send(self.bus, self.budget))));
-                    reader.read_next(self.scan, &self.rows, self.limit);
+                    reader.read_next(self.firing, &self.rows, self.limit);
                     continue;
                 }
                 Until::Woke => true,
@@ -323,7 +325,7 @@ impl<'a, R: Row> Batch<'a, R> {
             // beside the slots that follow: they delay nobody but their own rows.
             if !withheld.is_empty() {
                 reader.queue.push_back((withheld, now));
-                reader.read_next(self.scan, &self.rows, self.limit);
+                reader.read_next(self.firing, &self.rows, self.limit);
             }
         }
         // Contents still to read are of rows not sent: left as they are.
@@ -426,10 +428,10 @@ impl<'a, R: Row> Batch<'a, R> {
     /// unknown), or its failure.
     fn push(&mut self, sending: &mut Sending, i: usize) {
         let row = &self.rows[i];
-        let scan = self.scan;
-        match row.message(scan.node_id, &scan.limits) {
+        let firing = self.firing;
+        match row.message(firing.node_id, &firing.limits) {
             Ok(message) => {
-                let alone = scan.memory.suspect(row.common().id);
+                let alone = firing.memory.suspect(row.common().id);
                 sending.push(i, ToPublish { message, alone });
             }
             Err(e) => self.fail(i, &e),
@@ -446,7 +448,7 @@ impl<'a, R: Row> Batch<'a, R> {
     /// Row `i`'s fate, from its own message's alone.
     fn judge(&mut self, i: usize, alone: bool, fate: Fate) {
         let id = self.rows[i].common().id;
-        match self.scan.memory.judge(id, alone, fate) {
+        match self.firing.memory.judge(id, alone, fate) {
             Fate::Confirmed => self.judged.fired.push(i),
             Fate::Failed(e) => self.fail(i, &e),
             Fate::Unsent => self.judged.untouched += 1,
@@ -469,7 +471,7 @@ impl<'a, R: Row> Batch<'a, R> {
             routing_key = row.routing_key, attempts = attempts.saturating_add(1),
             reason = error.reason(), "{} not published: {error}", R::KIND.message()
         );
-        let limits = &self.scan.limits;
+        let limits = &self.firing.limits;
         self.judged.failures.push(Failure {
             id: row.id,
             error: error.to_string(),

@@ -1,4 +1,4 @@
-//! The scan task. While this node holds the lease it does what its [`Pacer`] says: rows
+//! The firing task. While this node holds the lease it does what its [`Pacer`] says: rows
 //! that come due within `scan.horizon` are locked a little ahead and each is sent at its
 //! due time (by the database's clock: waking early or late never sends early); a backlog
 //! of overdue rows drains oldest first, batch after batch, with a share kept for rows
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{Id, JoinError, JoinSet};
 
-use super::Scan;
+use super::Firing;
 use super::batch::{self, BatchError, BatchOutcome};
 use super::checks::{self, health_backoff};
 use super::notice::{self, NOTICES, NoticeState, Notices};
@@ -36,18 +36,18 @@ const ACTIVE_IDLE_AFTER: Duration = Duration::from_secs(10);
 /// counts and the delay ingress share (docs/operating/capacity.md).
 pub(crate) const PASSIVE_CONNECTIONS: usize = 1;
 
-/// The scan task of one node (runs for the daemon's whole life; idle while passive).
-pub(crate) async fn run(scan: Arc<Scan>) {
-    let settings = &scan.settings;
+/// The firing task of one node (runs for the daemon's whole life; idle while passive).
+pub(crate) async fn run(firing: Arc<Firing>) {
+    let settings = &firing.settings;
     let (tx, rx) = mpsc::channel(NOTICES);
     let state = Arc::new(NoticeState::default());
     let mut notices = Notices { rx, state };
-    let mut lease = scan.lease.clone();
-    let mut bus = scan.bus.clone();
+    let mut lease = firing.lease.clone();
+    let mut bus = firing.bus.clone();
     let mut summary = Summary::new();
     let mut checked = Instant::now();
     loop {
-        scan.status.beat(&scan.status.scan_beat);
+        firing.status.beat(&firing.status.scan_beat);
         let current = bus.borrow_and_update().clone();
         let active = lease.borrow_and_update().role == Role::Active;
         match current.filter(|_| active) {
@@ -56,44 +56,44 @@ pub(crate) async fn run(scan: Arc<Scan>) {
                 // no use to it, and the connection would be one more per passive node.
                 // The look at every kind after LISTEN, and the pacer's probing every tick
                 // until then, cover what was written before.
-                scan.store.lean(false);
-                tokio::spawn(write_api_rules(scan.clone()));
+                firing.store.lean(false);
+                tokio::spawn(write_api_rules(firing.clone()));
                 let listener = tokio::spawn(notice::listen(
-                    scan.clone(),
+                    firing.clone(),
                     tx.clone(),
                     notices.state.clone(),
                 ));
-                active_spell(&scan, &bus, &mut notices, &mut summary).await;
+                active_spell(&firing, &bus, &mut notices, &mut summary).await;
                 listener.abort();
                 notices.state.listening.store(false, Ordering::Relaxed);
             }
             None => {
-                scan.store.lean(!active);
+                firing.store.lean(!active);
                 if !active && checked.elapsed() >= settings.election.announce_interval {
                     // A check waiting on a slow database is no reason to delay a stop.
                     tokio::select! {
-                        _ = scan.stop.cancelled() => {},
-                        _ = checks::check_while_passive(&scan) => {},
+                        _ = firing.stop.cancelled() => {},
+                        _ = checks::check_while_passive(&firing) => {},
                     }
                     checked = Instant::now();
                 }
                 if !active {
                     // One connection between checks: what the ingress or the last
                     // active spell opened beyond it is closed (see `Store::trim`).
-                    scan.store.trim(PASSIVE_CONNECTIONS);
+                    firing.store.trim(PASSIVE_CONNECTIONS);
                 }
                 // Due times announced while passive are stale once active: it probes.
                 while notices.rx.try_recv().is_ok() {}
                 // Wake at least every tick so the liveness heartbeat keeps moving.
                 tokio::select! {
-                    _ = scan.stop.cancelled() => {},
+                    _ = firing.stop.cancelled() => {},
                     _ = lease.changed() => {},
                     _ = bus.changed() => {},
                     _ = tokio::time::sleep(settings.election.tick) => {},
                 }
             }
         }
-        if scan.stop.is_cancelled() {
+        if firing.stop.is_cancelled() {
             break;
         }
     }
@@ -161,11 +161,11 @@ impl InFlight {
         }
     }
 
-    fn start(&mut self, scan: &Arc<Scan>, bus: &Arc<Bus>, action: Action) {
+    fn start(&mut self, firing: &Arc<Firing>, bus: &Arc<Bus>, action: Action) {
         match action {
             Action::Batch(planned) => {
                 tracing::trace!(kind = planned.kind.name(), lane = ?planned.lane, from = ?planned.window.from, "starting a batch");
-                let (scan, bus) = (scan.clone(), bus.clone());
+                let (firing, bus) = (firing.clone(), bus.clone());
                 let (window, tell) = (planned.window, self.tell_locked.clone());
                 let task = self.batches.spawn(async move {
                     let locked = move |full, last_due| {
@@ -182,10 +182,10 @@ impl InFlight {
                     };
                     match planned.kind {
                         Kind::Expectation => {
-                            batch::run::<DueRow>(&scan, &bus, window, locked).await
+                            batch::run::<DueRow>(&firing, &bus, window, locked).await
                         }
                         Kind::Delayed => {
-                            batch::run::<DelayedRow>(&scan, &bus, window, locked).await
+                            batch::run::<DelayedRow>(&firing, &bus, window, locked).await
                         }
                     }
                 });
@@ -198,9 +198,9 @@ impl InFlight {
             // Read-only: one still under way when the spell ends is dropped.
             Action::Probe(Probing { kind, after, from }) => {
                 tracing::trace!(kind = kind.name(), ?after, ?from, "probing");
-                let scan = scan.clone();
+                let firing = firing.clone();
                 let task = self.probes.spawn(async move {
-                    let next = checks::probe(&scan, kind, after, from).await;
+                    let next = checks::probe(&firing, kind, after, from).await;
                     Probed {
                         at: Instant::now(),
                         next,
@@ -220,13 +220,13 @@ struct Probed {
 
 /// The SQL door follows the configuration that fires: each spell as the active node
 /// writes its rules (destinations, bounds), if they differ from what the door has.
-async fn write_api_rules(scan: Arc<Scan>) {
-    let Some(rules) = &scan.limits.api_rules else {
+async fn write_api_rules(firing: Arc<Firing>) {
+    let Some(rules) = &firing.limits.api_rules else {
         return;
     };
-    let node = scan.node_id.to_string();
-    let write = scan.store.write_api_rules(rules, &node);
-    match scan.db(scan.limits.db_bound, write).await {
+    let node = firing.node_id.to_string();
+    let write = firing.store.write_api_rules(rules, &node);
+    match firing.db(firing.limits.db_bound, write).await {
         Ok(true) => tracing::info!("the SQL API's rules written from this node's settings"),
         Ok(false) => {}
         Err(e) => tracing::warn!(
@@ -245,30 +245,30 @@ struct Spell {
 /// Fire as the pacer says until the lease is lost, the broker connection changes or we
 /// stop; then wait for the batches in flight (each commits or rolls back as a whole).
 async fn active_spell(
-    scan: &Arc<Scan>,
+    firing: &Arc<Firing>,
     bus: &Arc<Bus>,
     notices: &mut Notices,
     summary: &mut Summary,
 ) {
-    let kinds = scan.kinds();
+    let kinds = firing.kinds();
     let mut spell = Spell {
-        pacer: Pacer::new(pacing(scan), &kinds, Instant::now()),
-        backoff: health_backoff(&scan.settings),
+        pacer: Pacer::new(pacing(firing), &kinds, Instant::now()),
+        backoff: health_backoff(&firing.settings),
     };
     // Probes run as tasks too: one walking many deleted index entries (seconds after a
     // large drain) holds up neither the other kinds nor the batches' starts.
     let mut in_flight = InFlight::new();
-    let mut lease = scan.lease.clone();
-    let mut bus_rx = scan.bus.clone();
+    let mut lease = firing.lease.clone();
+    let mut bus_rx = firing.bus.clone();
     let mut busy_at = Instant::now();
     loop {
-        scan.status.beat(&scan.status.scan_beat);
+        firing.status.beat(&firing.status.scan_beat);
         let pacer = &mut spell.pacer;
         if !in_flight.batches.is_empty() {
             busy_at = Instant::now();
         } else if busy_at.elapsed() >= ACTIVE_IDLE_AFTER {
             // Idle: the connections the batches opened are closed; the probes' stay.
-            scan.store.trim(kinds.len());
+            firing.store.trim(kinds.len());
         }
         let listening = notices.state.listening.load(Ordering::Relaxed);
         pacer.listening(listening, Instant::now());
@@ -277,36 +277,36 @@ async fn active_spell(
         }
         if in_flight.batches.is_empty() {
             let chores = async {
-                scan.settle_leftovers().await;
-                checks::recheck_publish(scan).await;
+                firing.settle_leftovers().await;
+                checks::recheck_publish(firing).await;
             };
             // Leftovers not settled now are fired again by the next active node, as
             // they would be if this node had died: a stop does not wait on the database
             // for them.
             tokio::select! {
-                _ = scan.stop.cancelled() => break,
+                _ = firing.stop.cancelled() => break,
                 _ = chores => {},
             }
         }
         for action in pacer.actions(Instant::now()) {
-            in_flight.start(scan, bus, action);
+            in_flight.start(firing, bus, action);
         }
         let wake = pacer.wake_at(Instant::now());
         tracing::trace!(in_ = ?wake.saturating_duration_since(Instant::now()), running = pacer.running(), "sleeping");
         tokio::select! {
-            _ = scan.stop.cancelled() => break,
+            _ = firing.stop.cancelled() => break,
             _ = lease.changed() => if lease.borrow_and_update().role != Role::Active { break },
             // A clone of the shared receiver starts with its version unseen: only another
             // connection ends this loop, or every batch would wait for the whole drain.
             _ = bus_rx.changed() => if !still_on(&mut bus_rx, bus) { break },
             Some(joined) = in_flight.batches.join_next_with_id(), if !in_flight.batches.is_empty() => {
-                finished(scan, &mut spell, summary, &mut in_flight, joined);
+                finished(firing, &mut spell, summary, &mut in_flight, joined);
             }
             Some(news) = in_flight.locks.recv() => {
                 in_flight.locked(&mut spell.pacer, news.task, Some(news.rows));
             }
             Some(joined) = in_flight.probes.join_next_with_id(), if !in_flight.probes.is_empty() => {
-                probed(scan, &mut spell.pacer, &mut in_flight, joined);
+                probed(firing, &mut spell.pacer, &mut in_flight, joined);
             }
             Some(n) = notices.rx.recv() => {
                 tracing::trace!(?n, "notified");
@@ -320,12 +320,12 @@ async fn active_spell(
     let all_ended = {
         let joined = async {
             while let Some(joined) = in_flight.batches.join_next_with_id().await {
-                finished(scan, &mut spell, summary, &mut in_flight, joined);
+                finished(firing, &mut spell, summary, &mut in_flight, joined);
             }
         };
         let grace_spent = async {
-            scan.stop.cancelled().await;
-            tokio::time::sleep_until(scan.stopping.grace_until().into()).await;
+            firing.stop.cancelled().await;
+            tokio::time::sleep_until(firing.stopping.grace_until().into()).await;
         };
         tokio::select! {
             _ = joined => true,
@@ -333,12 +333,12 @@ async fn active_spell(
         }
     };
     if !all_ended {
-        abandon_batches(scan, &mut in_flight);
+        abandon_batches(firing, &mut in_flight);
     }
 }
 
-fn pacing(scan: &Scan) -> pacer::Config {
-    let (s, tick) = (&scan.settings.scan, scan.settings.election.tick);
+fn pacing(firing: &Firing) -> pacer::Config {
+    let (s, tick) = (&firing.settings.scan, firing.settings.election.tick);
     pacer::Config {
         horizon: s.horizon,
         lead: pacer::Config::lead_for(s.horizon),
@@ -353,15 +353,15 @@ fn pacing(scan: &Scan) -> pacer::Config {
 /// Give up the batches still in flight when the stop's grace is spent. Whatever they
 /// published without committing is published again by the next active node, with the
 /// same `message_id` (the contract's "cannot know whether it was delivered").
-fn abandon_batches(scan: &Scan, in_flight: &mut InFlight) {
+fn abandon_batches(firing: &Firing, in_flight: &mut InFlight) {
     in_flight.batches.abort_all();
     let kinds: Vec<&str> = in_flight
         .batch_of
         .iter()
         .map(|(_, r)| r.planned.kind.name())
         .collect();
-    scan.stopping.abandon(format!(
-        "{} scan batch(es) in flight ({}): not known to be committed; rows they published \
+    firing.stopping.abandon(format!(
+        "{} firing batch(es) in flight ({}): not known to be committed; rows they published \
          may be published again",
         kinds.len(),
         kinds.join(", ")
@@ -388,7 +388,7 @@ fn take<T>(of: &mut Vec<(Id, T)>, id: Id) -> Option<T> {
 
 /// A probe answered: tell the pacer.
 fn probed(
-    scan: &Scan,
+    firing: &Firing,
     pacer: &mut Pacer,
     in_flight: &mut InFlight,
     joined: Result<(Id, Probed), JoinError>,
@@ -407,16 +407,18 @@ fn probed(
             }
         }
     };
-    scan.health.record(Check::Postgres, &next);
+    firing.health.record(Check::Postgres, &next);
     match next {
         Ok(next) => {
             tracing::trace!(kind = kind.name(), ?next, "probed");
-            scan.status.saw_due(kind.name(), next.earliest, next.start);
+            firing
+                .status
+                .saw_due(kind.name(), next.earliest, next.start);
             pacer.probed(kind, at, next)
         }
         Err(e) => {
             tracing::warn!(error = %e, kind = kind.name(), "cannot probe the due rows");
-            scan.status.update(|s| s.database_ok = Some(false));
+            firing.status.update(|s| s.database_ok = Some(false));
             pacer.probe_failed(kind, at);
         }
     }
@@ -424,7 +426,7 @@ fn probed(
 
 /// One batch ended: record it and tell the pacer.
 fn finished(
-    scan: &Scan,
+    firing: &Firing,
     spell: &mut Spell,
     summary: &mut Summary,
     in_flight: &mut InFlight,
@@ -449,16 +451,16 @@ fn finished(
         Err(e) => {
             // A panic is a bug; its transaction was dropped, which rolls it back. Its rows
             // are due again: the pacer forgets what it held.
-            tracing::error!(error = %e, "a scan batch failed");
+            tracing::error!(error = %e, "a firing batch failed");
             pacer.failed(kind, lane, now, backoff.next_delay());
             return;
         }
     };
-    scan.health.record(Check::Postgres, &result);
+    firing.health.record(Check::Postgres, &result);
     match result {
         Ok(outcome) => {
             backoff.reset();
-            record(scan, kind, &outcome, summary);
+            record(firing, kind, &outcome, summary);
             pacer.finished(
                 kind,
                 lane,
@@ -476,14 +478,14 @@ fn finished(
         }
         Err(e) => {
             let delay = backoff.next_delay();
-            if scan.stop.is_cancelled() {
+            if firing.stop.is_cancelled() {
                 // The stop closes the pools first: a batch begun at that instant finds
                 // its pool closed, which is the stop, not a failure.
                 tracing::debug!(error = %Chain(&e), kind = kind.name(), "scan ended by the stop");
             } else {
                 tracing::error!(error = %Chain(&e), kind = kind.name(), retry_in = ?delay, "scan failed");
             }
-            scan.status.update(|s| s.database_ok = Some(false));
+            firing.status.update(|s| s.database_ok = Some(false));
             pacer.failed(kind, lane, now, delay);
         }
     }

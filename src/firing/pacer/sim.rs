@@ -121,7 +121,7 @@ impl Ord for Queued {
 }
 
 impl Event {
-    /// Whether the scan task wakes for it (checks watch; they do not wake anyone).
+    /// Whether the firing task wakes for it (checks watch; they do not wake anyone).
     fn wakes(&self) -> bool {
         !matches!(self, Event::Check | Event::Commit(_) | Event::Listening(_))
     }
@@ -279,7 +279,7 @@ impl Sim {
         }
     }
 
-    /// One pass of the scan task's loop.
+    /// One pass of the firing task's loop.
     fn step(&mut self) {
         let now = self.instant(self.now);
         self.pacer.listening(self.listening, now);
@@ -576,7 +576,7 @@ impl Sim {
                     .find(|(_, r)| self.rows[*r].known && self.rows[*r].state == RowState::Pending);
                 if let Some((due, r)) = skipped {
                     self.violations.push(format!(
-                        "{:?}: {kind:?} scan stands at {from}, past free row {r} due {due}",
+                        "{:?}: {kind:?} firing stands at {from}, past free row {r} due {due}",
                         self.now
                     ));
                 }

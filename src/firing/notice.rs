@@ -1,6 +1,6 @@
 //! Postgres `NOTIFY` of new and moved due times (the trigger of migration 0005), on a
 //! LISTEN connection of its own while the node is active, turned into [`Notice`]s for the
-//! scan task's pacer. Every `scan.probe_interval` the listener asks its connection for a
+//! firing task's pacer. Every `scan.probe_interval` the listener asks its connection for a
 //! round trip: one that stopped delivering without a word (half-open TCP) answers nothing
 //! within the next interval (at least a second) and counts as lost, and what was written
 //! meanwhile is looked for as after any other gap.
@@ -21,14 +21,14 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use tokio::sync::{mpsc, watch};
 
-use super::Scan;
+use super::Firing;
 use super::checks::health_backoff;
 use crate::health::Check;
 use crate::kind::Kind;
 use crate::shutdown::sleep_or_stop;
 use crate::telemetry::{Chain, LogLimiter};
 
-/// Notifications queued for the scan task; beyond this they are dropped and the task
+/// Notifications queued for the firing task; beyond this they are dropped and the task
 /// looks at every kind instead.
 pub(super) const NOTICES: usize = 1024;
 
@@ -55,7 +55,7 @@ impl Notice {
     };
 }
 
-/// What the listener shares with the scan loop besides the notices themselves.
+/// What the listener shares with the firing task besides the notices themselves.
 #[derive(Default)]
 pub(super) struct NoticeState {
     /// Some notices were dropped (the queue was full).
@@ -64,17 +64,21 @@ pub(super) struct NoticeState {
     pub(super) listening: AtomicBool,
 }
 
-/// Notifications on their way to the scan loop.
+/// Notifications on their way to the firing task.
 pub(super) struct Notices {
     pub(super) rx: mpsc::Receiver<Notice>,
     pub(super) state: Arc<NoticeState>,
 }
 
-/// Forward the trigger's notifications to the scan loop; reconnect with backoff. After
+/// Forward the trigger's notifications to the firing task; reconnect with backoff. After
 /// every LISTEN it asks for one look at every kind: what was written before it (or in the
 /// gap after a lost connection) was told to nobody.
-pub(super) async fn listen(scan: Arc<Scan>, tx: mpsc::Sender<Notice>, notices: Arc<NoticeState>) {
-    let mut backoff = health_backoff(&scan.settings);
+pub(super) async fn listen(
+    firing: Arc<Firing>,
+    tx: mpsc::Sender<Notice>,
+    notices: Arc<NoticeState>,
+) {
+    let mut backoff = health_backoff(&firing.settings);
     let send = |n: Notice| {
         if tx.try_send(n).is_err() {
             notices.lost.store(true, Ordering::Relaxed);
@@ -82,20 +86,20 @@ pub(super) async fn listen(scan: Arc<Scan>, tx: mpsc::Sender<Notice>, notices: A
     };
     // The stop closes the pool before it tells the tasks (see `daemon`), and a listener
     // ends with the pool: that is the stop, not a lost connection.
-    let stopping = || scan.store.pool().is_closed();
+    let stopping = || firing.store.pool().is_closed();
     loop {
-        let moves = scan.store.host_moves();
-        let listening = scan.store.listener().await;
+        let moves = firing.store.host_moves();
+        let listening = firing.store.listener().await;
         if listening.is_err() && stopping() {
             return;
         }
-        scan.health.record(Check::Listen, &listening);
+        firing.health.record(Check::Listen, &listening);
         match listening {
             Ok(mut listener) => {
                 backoff.reset();
                 notices.listening.store(true, Ordering::Relaxed);
                 send(Notice::ANY);
-                let ended = forward(&scan, &mut listener, moves, &send, &notices).await;
+                let ended = forward(&firing, &mut listener, moves, &send, &notices).await;
                 notices.listening.store(false, Ordering::Relaxed);
                 match ended {
                     Listened::Moved => {
@@ -106,7 +110,7 @@ pub(super) async fn listen(scan: Arc<Scan>, tx: mpsc::Sender<Notice>, notices: A
                     Listened::Lost(_) if stopping() => return,
                     Listened::Lost(e) => {
                         tracing::warn!(error = %e, "LISTEN connection lost; probing every tick meanwhile");
-                        scan.health.fail(Check::Listen, Instant::now());
+                        firing.health.fail(Check::Listen, Instant::now());
                     }
                 }
             }
@@ -114,7 +118,7 @@ pub(super) async fn listen(scan: Arc<Scan>, tx: mpsc::Sender<Notice>, notices: A
                 tracing::warn!(error = %Chain(&e), "cannot LISTEN; probing every tick meanwhile")
             }
         }
-        if !sleep_or_stop(&scan.stop, backoff.next_delay()).await {
+        if !sleep_or_stop(&firing.stop, backoff.next_delay()).await {
             return;
         }
     }
@@ -145,7 +149,7 @@ enum Woken {
 /// `scan.probe_interval`, at least [`ANSWER_FLOOR`], counts), the pool moves to another
 /// host, or we stop.
 async fn forward(
-    scan: &Scan,
+    firing: &Firing,
     listener: &mut sqlx::postgres::PgListener,
     moves: Option<watch::Receiver<u64>>,
     send: &impl Fn(Notice),
@@ -153,7 +157,7 @@ async fn forward(
 ) -> Listened {
     let mut flood = Flood::new(Instant::now());
     let mut foreign = LogLimiter::new(FOREIGN_LOG_EVERY);
-    let settings = &scan.settings;
+    let settings = &firing.settings;
     let every = settings.scan.probe_interval.max(settings.election.tick);
     let within = every.max(ANSWER_FLOOR);
     let mut check = tokio::time::interval(every);
@@ -169,7 +173,7 @@ async fn forward(
     tokio::pin!(moved);
     loop {
         let woken = tokio::select! {
-            _ = scan.stop.cancelled() => return Listened::Stopped,
+            _ = firing.stop.cancelled() => return Listened::Stopped,
             _ = &mut moved => return Listened::Moved,
             _ = check.tick() => Woken::Check,
             n = listener.try_recv() => Woken::Notified(n),
@@ -185,7 +189,7 @@ async fn forward(
                 // A connection that stopped delivering without a word (half-open TCP, a
                 // stalled proxy) answers nothing either; notifications that arrive
                 // meanwhile wait in the listener's buffer.
-                let again = scan.store.listen_statement();
+                let again = firing.store.listen_statement();
                 let asked = sqlx::raw_sql(sqlx::AssertSqlSafe(again)).execute(&mut *listener);
                 match tokio::time::timeout(within, asked).await {
                     Ok(Ok(_)) => continue,
@@ -201,7 +205,7 @@ async fn forward(
         match next {
             Ok(Some(n)) => {
                 let Some(notice) = parse_notice(n.payload()) else {
-                    scan.metrics.notification_dropped("foreign");
+                    firing.metrics.notification_dropped("foreign");
                     if let Some(suppressed) = foreign.allow(Instant::now()) {
                         tracing::warn!(
                             channel = n.channel(),
@@ -214,9 +218,9 @@ async fn forward(
                 };
                 match flood.take(Instant::now()) {
                     Take::Pass => send(notice),
-                    Take::Drop => scan.metrics.notification_dropped("flood"),
+                    Take::Drop => firing.metrics.notification_dropped("flood"),
                     Take::Flooded => {
-                        scan.metrics.notification_dropped("flood");
+                        firing.metrics.notification_dropped("flood");
                         tracing::warn!(
                             per_second = NOTICES_PER_SECOND,
                             "more notifications than the pacer takes: probing every tick \

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 
-use super::Scan;
+use super::Firing;
 use super::batch::BatchOutcome;
 use crate::health::Check;
 use crate::kind::Kind;
@@ -16,11 +16,11 @@ const SUMMARY_EVERY: Duration = Duration::from_secs(1);
 
 /// What a finished batch of `kind` tells the status, the health, the metrics and the
 /// logs.
-pub(super) fn record(scan: &Scan, kind: Kind, outcome: &BatchOutcome, summary: &mut Summary) {
-    scan.status.update(|s| s.database_ok = Some(true));
+pub(super) fn record(firing: &Firing, kind: Kind, outcome: &BatchOutcome, summary: &mut Summary) {
+    firing.status.update(|s| s.database_ok = Some(true));
     // Stopping, a node hands its role over on purpose: rows it held are the next
     // active node's, nothing an operator must look at.
-    let stopping = scan.stop.is_cancelled();
+    let stopping = firing.stop.is_cancelled();
     if outcome.lease_lost && outcome.fired + outcome.failed == 0 {
         if stopping {
             tracing::info!(locked = outcome.locked, "stopping: batch rolled back");
@@ -48,11 +48,11 @@ pub(super) fn record(scan: &Scan, kind: Kind, outcome: &BatchOutcome, summary: &
     match &outcome.bus_trouble {
         Some(e) => {
             tracing::warn!(error = %Chain(e), untouched = outcome.untouched, "publishing failed under the batch");
-            scan.health.fail(Check::Publish, Instant::now());
+            firing.health.fail(Check::Publish, Instant::now());
         }
-        None => scan.health.pass(Check::Publish),
+        None => firing.health.pass(Check::Publish),
     }
-    let metrics = &scan.metrics;
+    let metrics = &firing.metrics;
     for (step, took) in &outcome.steps {
         metrics.step(kind.name(), step.name(), *took);
     }
@@ -67,7 +67,7 @@ pub(super) fn record(scan: &Scan, kind: Kind, outcome: &BatchOutcome, summary: &
         steps = ?outcome.steps, "fired batch"
     );
     summary.add(outcome);
-    scan.status.update(|s| {
+    firing.status.update(|s| {
         s.fired_total += outcome.fired as u64;
         s.last_scan = Some(ScanStatus {
             at: Utc::now(),

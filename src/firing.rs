@@ -1,7 +1,7 @@
 //! The scan: everything that fires due rows, on the active node. One `TimeOut` (or one
 //! delayed message) goes through it like this (docs/design/scan.md draws it):
 //!
-//! 1. [`task`]: the scan task runs for the daemon's whole life; while this node holds the
+//! 1. [`task`]: the firing task runs for the daemon's whole life; while this node holds the
 //!    lease it asks its [`pacer`] what to do and does it: start a batch, probe the due
 //!    index. [`notice`] turns the database's `NOTIFY` of new and moved due times into
 //!    pacer input; [`checks`] keeps a passive node's health honest.
@@ -49,10 +49,10 @@ pub(crate) use batch::BatchError;
 pub(crate) use memory::Memory;
 pub(crate) use task::run;
 
-/// What the scan task and its batches use: the store, the bus and the lease view the
+/// What the firing task and its batches use: the store, the bus and the lease view the
 /// node task publishes, the status, metrics and health they report to, the limits of a
 /// batch and what the scan remembers about single rows.
-pub(crate) struct Scan {
+pub(crate) struct Firing {
     pub(crate) settings: Arc<Settings>,
     pub(crate) node_id: Uuid,
     pub(crate) store: Store,
@@ -126,7 +126,7 @@ impl Limits {
     }
 }
 
-impl Scan {
+impl Firing {
     /// The lease right now, from the view the node task published: no lock, no wait.
     fn lease(&self) -> Lease {
         self.lease.borrow().check(Instant::now())

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 
-use super::Scan;
+use super::Firing;
 use super::pacer::FRESH;
 use crate::backoff::Backoff;
 use crate::health::Check;
@@ -14,7 +14,7 @@ use crate::kind::Kind;
 use crate::store::{Fired, NextDue};
 use crate::telemetry::Chain;
 
-impl Scan {
+impl Firing {
     /// Delete the confirmed rows of batches that did not commit (if their deadline is
     /// unchanged): without this they would fire again. Failing that is no reason to stop
     /// firing: they are kept for the next round.
@@ -70,35 +70,38 @@ impl Scan {
 /// only when Postgres answers again (so that nobody flaps while the database is down for
 /// everyone) and, if publishing was what failed, when it can get a channel again. Rows
 /// fired by a batch that then failed to commit are deleted now too.
-pub(super) async fn check_while_passive(scan: &Scan) {
-    recheck_publish(scan).await;
-    recheck_listen(scan).await;
+pub(super) async fn check_while_passive(firing: &Firing) {
+    recheck_publish(firing).await;
+    recheck_listen(firing).await;
     // The due-row index, not just `SELECT 1`: a table locked by someone else (a
     // migration, an ALTER) fails the scan, and must fail this check too. From now on
     // only: from its start, the probe would walk every deleted row not yet vacuumed
     // (seconds after a large drain, every time while an old snapshot keeps them).
     let mut pinged = Ok(());
-    for kind in scan.kinds() {
-        if let Err(e) = probe(scan, kind, None, Some(Utc::now())).await {
+    for kind in firing.kinds() {
+        if let Err(e) = probe(firing, kind, None, Some(Utc::now())).await {
             pinged = Err(e);
             break;
         }
     }
-    scan.health.record(Check::Postgres, &pinged);
-    scan.status.update(|s| s.database_ok = Some(pinged.is_ok()));
+    firing.health.record(Check::Postgres, &pinged);
+    firing
+        .status
+        .update(|s| s.database_ok = Some(pinged.is_ok()));
     if pinged.is_ok() {
-        scan.settle_leftovers().await;
+        firing.settle_leftovers().await;
     }
 }
 
 /// The publish check fails with a batch's trouble and passes with a batch that had
 /// none; with nothing to fire, it is asked directly: can we get a channel?
-pub(super) async fn recheck_publish(scan: &Scan) {
-    let bus = scan.bus.borrow().clone();
+pub(super) async fn recheck_publish(firing: &Firing) {
+    let bus = firing.bus.borrow().clone();
     if let Some(bus) = bus
-        && scan.health.failing().contains(&Check::Publish.name())
+        && firing.health.failing().contains(&Check::Publish.name())
     {
-        scan.health
+        firing
+            .health
             .record(Check::Publish, &bus.check_publish().await);
     }
 }
@@ -106,16 +109,16 @@ pub(super) async fn recheck_publish(scan: &Scan) {
 /// A passive node holds no LISTEN connection (see `task::run`); one whose LISTEN failed
 /// while active would stay withdrawn, or rejoin only to fail again: while the check
 /// fails it tries a LISTEN at every passive check and lets it go.
-async fn recheck_listen(scan: &Scan) {
-    if !scan.health.failing().contains(&Check::Listen.name()) {
+async fn recheck_listen(firing: &Firing) {
+    if !firing.health.failing().contains(&Check::Listen.name()) {
         return;
     }
-    let limit = scan.settings.postgres.statement_timeout;
-    let listened = match tokio::time::timeout(limit, scan.store.listener()).await {
+    let limit = firing.settings.postgres.statement_timeout;
+    let listened = match tokio::time::timeout(limit, firing.store.listener()).await {
         Ok(r) => r.map(drop).map_err(|e| Chain(&e).to_string()),
         Err(_) => Err(format!("no answer within {limit:?}")),
     };
-    scan.health.record(Check::Listen, &listened);
+    firing.health.record(Check::Listen, &listened);
 }
 
 /// Retries of what the node's health depends on (scans, LISTEN) are capped at the
@@ -130,14 +133,14 @@ pub(super) fn health_backoff(s: &crate::config::Settings) -> Backoff {
 
 /// When the next rows of `kind` are due (see `Store::probe`), bounded on the client.
 pub(super) async fn probe(
-    scan: &Scan,
+    firing: &Firing,
     kind: Kind,
     after: Option<DateTime<Utc>>,
     from: Option<DateTime<Utc>>,
 ) -> Result<NextDue, String> {
-    let limit = scan.settings.postgres.statement_timeout;
-    let _under_way = scan.health.step(Check::Postgres);
-    match tokio::time::timeout(limit, scan.store.probe(kind, after, FRESH, from)).await {
+    let limit = firing.settings.postgres.statement_timeout;
+    let _under_way = firing.health.step(Check::Postgres);
+    match tokio::time::timeout(limit, firing.store.probe(kind, after, FRESH, from)).await {
         Ok(r) => r.map_err(|e| Chain(&e).to_string()),
         Err(_) => Err(format!("no answer within {limit:?}")),
     }

@@ -1,5 +1,5 @@
 //! Which batch to start, and when: a pure state machine (no clock, no I/O, like the
-//! election). The scan loop feeds in what it learns — probes of the due index, finished
+//! election). The firing task feeds in what it learns — probes of the due index, finished
 //! batches, notifications of new due times — with the current instant, then starts the
 //! batches [`Pacer::starts`] names and sleeps until [`Pacer::wake_at`].
 //!
@@ -762,7 +762,7 @@ impl Pacer {
     }
 }
 
-/// What the scan task is to do now (see [`Pacer::actions`]).
+/// What the firing task is to do now (see [`Pacer::actions`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Action {
     /// Start a batch.
