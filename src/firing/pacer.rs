@@ -54,7 +54,15 @@ use chrono::{DateTime, Utc};
 
 use super::clock::DbClock;
 use crate::kind::Kind;
-use crate::store::{NextDue, Window};
+use crate::store::NextDue;
+
+mod plan;
+mod state;
+#[cfg(test)]
+mod test_api;
+
+pub(crate) use plan::{Action, Config, Finished, Lane, Locked, Planned, Probing};
+use state::{KindState, Timer};
 
 /// How often a *sweep* (a backlog batch from the start of the due index) looks for rows
 /// behind where the scan stands that no notification placed (see the module docs). A
@@ -68,132 +76,6 @@ pub(crate) const FRESH: Duration = Duration::from_secs(1);
 /// Taken off a probed earliest due time before it bounds anything: the time is computed
 /// from a float of seconds, which may round it up a little.
 const PROBE_ROUNDING: chrono::Duration = chrono::Duration::milliseconds(1);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Lane {
-    OnTime,
-    Backlog,
-    /// A backlog batch from the start of the due index (see [`BACKLOG_RESCAN`]).
-    Sweep,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Config {
-    pub(crate) horizon: Duration,
-    /// How long before its first row's due time an on-time batch starts.
-    pub(crate) lead: Duration,
-    /// Rows overdue by more than this are backlog.
-    pub(crate) fresh: Duration,
-    pub(crate) concurrency: usize,
-    pub(crate) fresh_slots: usize,
-    pub(crate) tick: Duration,
-    /// How often a kind is probed while notifications arrive (every `tick` otherwise).
-    pub(crate) probe_interval: Duration,
-}
-
-impl Config {
-    /// The on-time lane's lead: enough to lock a window before it opens, a small part of
-    /// the horizon so that windows overlap little (zero without a horizon: rows are then
-    /// locked when due).
-    pub(crate) fn lead_for(horizon: Duration) -> Duration {
-        (horizon / 4).min(Duration::from_millis(25))
-    }
-
-    /// What a batch of `lane` locks (a backlog batch: from `from` on).
-    pub(crate) fn window(&self, lane: Lane, from: Option<DateTime<Utc>>) -> Window {
-        let backlog = |from| Window {
-            horizon: Duration::ZERO,
-            fresh: None,
-            from,
-        };
-        match lane {
-            Lane::OnTime => Window {
-                horizon: self.horizon,
-                fresh: Some(self.fresh),
-                from: None,
-            },
-            Lane::Backlog => backlog(from),
-            Lane::Sweep => backlog(None),
-        }
-    }
-}
-
-/// What a batch that locked its rows tells the pacer.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Locked {
-    /// It locked a full batch: more rows may wait.
-    pub(crate) full: bool,
-    /// The due time of the last row it locked (rows are locked in due order).
-    pub(crate) last_due: Option<DateTime<Utc>>,
-    /// [`Pacer::epoch`] of its kind when it started.
-    pub(crate) epoch: u64,
-}
-
-/// What a finished batch tells the pacer.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Finished {
-    pub(crate) locked: usize,
-    /// It locked a full batch: more rows may wait.
-    pub(crate) full: bool,
-    /// Rows it locked but left unsent (stop, lease, budget, unknown fate): they are due
-    /// and unlocked again.
-    pub(crate) untouched: usize,
-    pub(crate) clock: Option<DbClock>,
-    pub(crate) last_due: Option<DateTime<Utc>>,
-    /// Up to when it locked every row due (if it locked any).
-    pub(crate) window_end: Option<DateTime<Utc>>,
-    /// [`Pacer::epoch`] of its kind when it started.
-    pub(crate) epoch: u64,
-}
-
-#[derive(Debug, Clone, Default)]
-struct KindState {
-    /// When an on-time batch should start (`None`: no row known to be coming).
-    on_time_at: Option<Instant>,
-    /// Rows due up to this database instant are held by our on-time batches (or were
-    /// sent): the next on-time batch is for rows beyond it.
-    covered: Option<DateTime<Utc>>,
-    /// Rows overdue by more than `fresh` are waiting.
-    backlog: bool,
-    /// Where the scan stands: every row due before it was sent or is held by a batch in
-    /// flight, as far as we know (a row written later with an earlier due time moves it
-    /// back when notified, see [`KindState::told`]). Probes and backlog batches look
-    /// from here, past the index entries of the rows deleted before it.
-    from: Option<DateTime<Utc>>,
-    /// When the next sweep is due (set once `from` is), and whether one should start.
-    sweep_at: Option<Instant>,
-    sweep: bool,
-    /// The last on-time batch to finish came back full: its window holds more rows than
-    /// one batch (a burst due at once), so the slots the backlog leaves free take parts
-    /// of it too.
-    on_time_more: bool,
-    on_time_running: usize,
-    backlog_running: usize,
-    /// A backlog batch (not a sweep) has started and not yet locked its rows: the next
-    /// one waits for where it ends (see [`Pacer::locked`]).
-    backlog_locking: bool,
-    /// When to probe the due index next (`None` while a probe is under way and nothing
-    /// asked for another).
-    probe_at: Option<Instant>,
-    /// A probe is under way, begun at stamp `epoch` (see [`KindState::epoch`]).
-    probing: Option<u64>,
-    /// The probe under way looks from the start of the due index: what it finds is
-    /// where the scan stands, even behind where it stood.
-    probing_all: bool,
-    /// The kind's stamp: it moves on with every notification and every time the scan
-    /// forgets or stands back. A batch or probe carries the stamp it began at: what it
-    /// learnt is of the rows written before, and void if begun before `void_before`
-    /// (rows it saw held may be due again since, or it looked from further on).
-    epoch: u64,
-    void_before: u64,
-    /// Due times notified with their stamps, for the batches and probes in flight that
-    /// began before them: none may move where the scan stands past a row it could not
-    /// see. Each due time is earlier than every one after it (a later, earlier one
-    /// bounds all that an earlier one would).
-    told: Vec<(u64, DateTime<Utc>)>,
-    /// The stamps of the batches in flight.
-    tickets: Vec<u64>,
-}
 
 #[derive(Debug)]
 pub(crate) struct Pacer {
@@ -212,10 +94,8 @@ pub(crate) struct Pacer {
 impl Pacer {
     /// The pacer of the scan of `kinds`, each probed at `now`.
     pub(crate) fn new(config: Config, kinds: &[Kind], now: Instant) -> Self {
-        let state = KindState {
-            probe_at: Some(now),
-            ..KindState::default()
-        };
+        let mut state = KindState::default();
+        state.timers[Timer::Probe] = Some(now);
         Self {
             config,
             kinds: vec![state; kinds.len()],
@@ -232,7 +112,7 @@ impl Pacer {
         if self.listening && !on {
             let soon = now + self.config.tick;
             for k in &mut self.kinds {
-                k.probe_at = k.probe_at.map(|at| at.min(soon));
+                k.timers[Timer::Probe] = k.timers[Timer::Probe].map(|at| at.min(soon));
             }
         }
         self.listening = on;
@@ -246,11 +126,6 @@ impl Pacer {
         }
     }
 
-    #[cfg(test)]
-    pub(crate) fn config(&self) -> &Config {
-        &self.config
-    }
-
     /// The kinds to probe now, with the instant each probe's `after` should be (the end
     /// of the covered window, if any) and its `from` (where the scan stands). Each is
     /// under way until [`Pacer::probed`] or [`Pacer::probe_failed`]: one at a time per
@@ -260,9 +135,11 @@ impl Pacer {
         self.kinds
             .iter_mut()
             .enumerate()
-            .filter(|(_, k)| k.probing.is_none() && k.probe_at.is_some_and(|at| at <= now))
+            .filter(|(_, k)| {
+                k.probing.is_none() && k.timers[Timer::Probe].is_some_and(|at| at <= now)
+            })
             .map(|(i, k)| {
-                k.probe_at = None;
+                k.timers[Timer::Probe] = None;
                 k.probing = Some(k.epoch);
                 // Without notifications nothing tells of a row written behind where the
                 // scan stands, or inside a window a batch holds: every probe looks from
@@ -277,27 +154,11 @@ impl Pacer {
             .collect()
     }
 
-    /// How often `kind`'s scan forgot where it stood so far: a batch started now passes
-    /// it back in [`Finished::epoch`]. One that began before the scan last forgot may
-    /// have skipped rows another batch held then and let go since: what it covered
-    /// proves nothing.
-    #[cfg(test)]
-    fn epoch(&self, kind: Kind) -> u64 {
-        self.position(kind).map_or(0, |i| self.kinds[i].epoch)
-    }
-
-    /// What a batch of `kind` in `lane` locks.
-    #[cfg(test)]
-    fn window(&self, kind: Kind, lane: Lane) -> Window {
-        let from = self.position(kind).and_then(|i| self.kinds[i].from);
-        self.config.window(lane, from)
-    }
-
     /// Kinds whose sweep is due get one backlog slot for it.
     fn plan_sweeps(&mut self, now: Instant) {
         for k in &mut self.kinds {
-            if k.sweep_at.is_some_and(|at| now >= at) {
-                k.sweep_at = Some(now + BACKLOG_RESCAN);
+            if k.timers[Timer::Sweep].is_some_and(|at| now >= at) {
+                k.timers[Timer::Sweep] = Some(now + BACKLOG_RESCAN);
                 k.sweep = true;
             }
         }
@@ -322,7 +183,7 @@ impl Pacer {
         let k = &mut self.kinds[kind];
         let began = k.probing.take();
         // A probe asked for while this one was under way follows it.
-        k.probe_at = match (began, k.probe_at) {
+        k.timers[Timer::Probe] = match (began, k.timers[Timer::Probe]) {
             (Some(_), Some(asked)) => Some(asked.min(again)),
             _ => Some(again),
         };
@@ -360,7 +221,7 @@ impl Pacer {
             .beyond
             .filter(|s| *s >= -fresh)
             .map(|s| offset(now, s).checked_sub(lead).unwrap_or(now).max(now));
-        k.on_time_at = match (k.on_time_at, next) {
+        k.timers[Timer::OnTime] = match (k.timers[Timer::OnTime], next) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -374,7 +235,7 @@ impl Pacer {
         let k = &mut self.kinds[kind];
         k.probing = None;
         k.probing_all = false;
-        k.probe_at = Some(now + self.config.tick);
+        k.timers[Timer::Probe] = Some(now + self.config.tick);
     }
 
     /// What to do now: the batches to start (each then counts as running until
@@ -398,39 +259,6 @@ impl Pacer {
         actions
     }
 
-    /// The batches to start now, by kind and lane.
-    #[cfg(test)]
-    fn starts_one(&mut self, now: Instant) -> Vec<(Kind, Lane)> {
-        let starts = self.start_positions(now);
-        starts
-            .into_iter()
-            .map(|(i, lane)| (self.served[i], lane))
-            .collect()
-    }
-
-    /// The batches to start now, each backlog batch locking at once (a full batch,
-    /// leaving where the scan stands as it was), so that the next may start.
-    #[cfg(test)]
-    fn starts(&mut self, now: Instant) -> Vec<(Kind, Lane)> {
-        let mut all = Vec::new();
-        loop {
-            let starts = self.starts_one(now);
-            if starts.is_empty() {
-                return all;
-            }
-            for &(kind, lane) in &starts {
-                let epoch = self.epoch(kind);
-                let rows = Locked {
-                    full: true,
-                    last_due: None,
-                    epoch,
-                };
-                self.locked(kind, lane, now, Some(rows));
-            }
-            all.extend(starts);
-        }
-    }
-
     /// The batches to start now, by position in `kinds`.
     fn start_positions(&mut self, now: Instant) -> Vec<(usize, Lane)> {
         self.plan_sweeps(now);
@@ -439,13 +267,13 @@ impl Pacer {
         let mut on_time: Vec<usize> = (0..self.kinds.len())
             .filter(|i| self.on_time_ready(*i, now))
             .collect();
-        on_time.sort_by_key(|i| self.kinds[*i].on_time_at);
+        on_time.sort_by_key(|i| self.kinds[*i].timers[Timer::OnTime]);
         for kind in on_time {
             if free == 0 {
                 return starts;
             }
             let k = &mut self.kinds[kind];
-            k.on_time_at = None;
+            k.timers[Timer::OnTime] = None;
             k.on_time_running += 1;
             k.tickets.push(k.epoch);
             free -= 1;
@@ -502,7 +330,7 @@ impl Pacer {
         };
         let k = &mut self.kinds[kind];
         k.covered = k.covered.max(Some(clock.db_at(now) + horizon));
-        k.probe_at = Some(k.probe_at.map_or(at, |p| p.min(at)));
+        k.timers[Timer::Probe] = Some(k.timers[Timer::Probe].map_or(at, |p| p.min(at)));
     }
 
     /// Slots left over go to windows known to hold more than one batch, kind by kind.
@@ -556,76 +384,13 @@ impl Pacer {
         let listening = self.listening;
         let k = &mut self.kinds[kind];
         match lane {
-            Lane::OnTime => {
-                k.on_time_running = k.on_time_running.saturating_sub(1);
-                k.on_time_more = f.full;
-                if !k.current(f.epoch) {
-                    // Begun before the scan forgot where it stood: see `epoch`.
-                    k.probe_at = Some(now);
-                } else if f.full {
-                    // Rows past its last one were not locked, whatever its start counted
-                    // as held (see `look_past_window`).
-                    k.covered = f.last_due;
-                    // More rows in this window: the lane's last part takes the next one at
-                    // once; while others run, a freed slot is the backlog's first (see
-                    // `more_on_time`), or every slot would stay on time under a load the
-                    // lane cannot drain.
-                    if k.on_time_running == 0 {
-                        k.on_time_at = Some(now);
-                    }
-                } else {
-                    k.covered = k.covered.max(f.window_end);
-                    // A later window's batch in flight looked past its own window when it
-                    // started (or ends in a probe of its own). Without notifications a
-                    // probe names rows others hold too: one that found none to lock
-                    // looks again in a tick, not at once.
-                    if k.on_time_running == 0 {
-                        let idle = f.locked == 0 && !listening;
-                        k.probe_at = Some(if idle { now + tick } else { now });
-                    }
-                }
-            }
-            Lane::Backlog | Lane::Sweep => {
-                k.backlog_running = k.backlog_running.saturating_sub(1);
-                // Begun before the scan last stood back or forgot: rows it could not see
-                // may be pending, so it ends neither the drain's bound nor the backlog.
-                let current = k.current(f.epoch);
-                if f.untouched == 0 && current {
-                    // Every row due before its last one is sent or held by an earlier
-                    // batch in flight (which starts over if it leaves rows behind). A
-                    // full sweep found rows behind where the scan stood: go on from them.
-                    if lane == Lane::Sweep && f.full {
-                        k.from = None;
-                        k.backlog = true;
-                        // Backlog batches in flight began further on: none may move
-                        // the scan past what the sweep found.
-                        if let Some(found) = f.last_due {
-                            k.told(found);
-                        }
-                    }
-                    k.advance(f.epoch, f.last_due, now);
-                }
-                if !f.full && current {
-                    k.backlog = false;
-                    // Rows held by someone else (a second active node) are not ours to
-                    // spin on: look again in a tick.
-                    let again = if f.locked == 0 { now + tick } else { now };
-                    k.probe_at = Some(k.probe_at.map_or(again, |p| p.min(again)));
-                }
-            }
+            Lane::OnTime => k.on_time_finished(&f, now, tick, listening),
+            Lane::Backlog | Lane::Sweep => k.backlog_finished(lane == Lane::Sweep, &f, now, tick),
         }
         // Its stamp bounds nothing from now on (after `advance` used what was told since).
         k.ended(f.epoch);
         if f.untouched > 0 {
-            // Rows it held are due again and no notification will say so: batches go
-            // for them at once (the fresh ones on time, the others as backlog, from the
-            // start), without waiting for a probe.
-            k.covered = None;
-            k.on_time_more = false;
-            k.restart_drain();
-            k.probe_at = Some(now);
-            k.on_time_at = Some(now);
-            k.backlog = true;
+            k.left_rows(now);
         }
     }
 
@@ -640,11 +405,11 @@ impl Pacer {
             Lane::Backlog | Lane::Sweep => k.backlog_running = k.backlog_running.saturating_sub(1),
         }
         k.covered = None;
-        k.on_time_at = None;
+        k.timers[Timer::OnTime] = None;
         k.on_time_more = false;
         k.backlog = false;
         k.restart_drain();
-        k.probe_at = Some(now + delay);
+        k.timers[Timer::Probe] = Some(now + delay);
     }
 
     /// A new or moved row of `kind` (every kind when `None`) is due at `due` (`None`:
@@ -698,11 +463,11 @@ impl Pacer {
                 // meanwhile may be due anywhere, behind where the scan stands too.
                 (None, _) => {
                     k.restart_drain();
-                    k.probe_at = Some(now);
+                    k.timers[Timer::Probe] = Some(now);
                     now
                 }
             };
-            k.on_time_at = Some(k.on_time_at.map_or(at, |t| t.min(at)));
+            k.timers[Timer::OnTime] = Some(k.timers[Timer::OnTime].map_or(at, |t| t.min(at)));
         }
     }
 
@@ -723,8 +488,7 @@ impl Pacer {
         let tick = now + self.config.tick;
         self.kinds
             .iter()
-            .flat_map(|k| [k.on_time_at, k.probe_at, k.sweep_at])
-            .flatten()
+            .flat_map(|k| k.timers.iter())
             .filter(|at| *at > now)
             .fold(tick, Instant::min)
     }
@@ -743,7 +507,8 @@ impl Pacer {
 
     fn on_time_ready(&self, kind: usize, now: Instant) -> bool {
         let k = &self.kinds[kind];
-        k.on_time_at.is_some_and(|at| at <= now) && (self.config.fresh_slots > 0 || !k.backlog)
+        k.timers[Timer::OnTime].is_some_and(|at| at <= now)
+            && (self.config.fresh_slots > 0 || !k.backlog)
     }
 
     fn position(&self, kind: Kind) -> Option<usize> {
@@ -759,132 +524,6 @@ impl Pacer {
         })?;
         self.turn = (kind + 1) % n;
         Some(kind)
-    }
-}
-
-/// What the firing task is to do now (see [`Pacer::actions`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Action {
-    /// Start a batch.
-    Batch(Planned),
-    /// Ask the due index when the next rows of a kind are due.
-    Probe(Probing),
-}
-
-/// A batch to start: of which kind, in which lane, over which window, and the pacer's
-/// epoch of its kind (passed back in [`Finished::epoch`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Planned {
-    pub(crate) kind: Kind,
-    pub(crate) lane: Lane,
-    pub(crate) window: Window,
-    pub(crate) epoch: u64,
-}
-
-/// What to probe: `kind`'s rows due at or after `from`, and its next row after `after`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Probing {
-    pub(crate) kind: Kind,
-    pub(crate) after: Option<DateTime<Utc>>,
-    pub(crate) from: Option<DateTime<Utc>>,
-}
-
-impl KindState {
-    /// The next backlog batch and probe look from the start of the due index.
-    fn restart_drain(&mut self) {
-        self.void();
-        self.from = None;
-        self.sweep_at = None;
-        self.sweep = false;
-    }
-
-    /// A row told of (see [`KindState::told`], which placed the scan before it) waits in
-    /// the backlog: what batches and probes under way learnt is void (as after
-    /// [`KindState::restart_drain`]): a backlog batch that comes back short, begun before,
-    /// must not end the backlog this row is in.
-    fn behind(&mut self) {
-        self.backlog = true;
-        self.void();
-    }
-
-    /// What every batch and probe under way learnt is void.
-    fn void(&mut self) {
-        self.epoch += 1;
-        self.void_before = self.epoch;
-        self.told.clear();
-        let void_before = self.void_before;
-        self.tickets.retain(|t| *t >= void_before);
-    }
-
-    /// Whether a batch or probe begun at stamp `t` may teach the scan.
-    fn current(&self, t: u64) -> bool {
-        t >= self.void_before
-    }
-
-    /// A row due at `due` was written (a notification): if the scan stood past it, it
-    /// stands at it now, and no batch or probe begun before may move it further (see
-    /// [`KindState::advance`]).
-    fn told(&mut self, due: DateTime<Utc>) {
-        // A due time read as a float of seconds (before Postgres 14) may be a
-        // microsecond late.
-        let due = due - PROBE_ROUNDING;
-        self.from = self.from.map(|from| from.min(due));
-        self.epoch += 1;
-        while self.told.last().is_some_and(|(_, d)| *d >= due) {
-            self.told.pop();
-        }
-        // Each batch or probe is bounded by the first due time told after it began: one
-        // told after another with no batch or probe begun between them bounds nothing
-        // more, as it is later.
-        let needed = self.told.last().is_none_or(|(last, _)| {
-            self.tickets
-                .iter()
-                .chain(self.probing.iter())
-                .any(|t| t >= last)
-        });
-        if needed {
-            self.told.push((self.epoch, due));
-        }
-        self.prune();
-    }
-
-    /// Drop the due times no batch or probe in flight began before.
-    fn prune(&mut self) {
-        let void_before = self.void_before;
-        let oldest = self
-            .tickets
-            .iter()
-            .chain(self.probing.iter())
-            .filter(|t| **t >= void_before)
-            .min()
-            .copied();
-        match oldest {
-            Some(oldest) => self.told.retain(|(s, _)| *s > oldest),
-            None => self.told.clear(),
-        }
-    }
-
-    /// A batch begun at stamp `t` ended.
-    fn ended(&mut self, t: u64) {
-        if let Some(i) = self.tickets.iter().position(|x| *x == t) {
-            self.tickets.swap_remove(i);
-        }
-        self.prune();
-    }
-
-    /// A batch or probe begun at stamp `t` saw every row due before `to` sent or held:
-    /// the scan stands there, or further, but not past a row notified since `t` (its
-    /// statement may not have seen it).
-    fn advance(&mut self, t: u64, to: Option<DateTime<Utc>>, now: Instant) {
-        let bound = self.told.iter().find(|(s, _)| *s > t).map(|(_, due)| *due);
-        let to = match (to, bound) {
-            (Some(to), Some(bound)) => Some(to.min(bound)),
-            (to, _) => to,
-        };
-        if to.is_some() {
-            self.from = self.from.max(to);
-            self.sweep_at = self.sweep_at.or(Some(now + BACKLOG_RESCAN));
-        }
     }
 }
 

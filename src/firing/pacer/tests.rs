@@ -476,7 +476,7 @@ impl Pacer {
     /// window ending 100 ms after `at` (database clock).
     fn on_time_window(&mut self, kind: Kind, now: Instant, at: DateTime<Utc>) {
         let i = self.position(kind).expect("a kind of this pacer");
-        self.kinds[i].on_time_at = Some(now);
+        self.kinds[i].timers[Timer::OnTime] = Some(now);
         let started = self.starts(now);
         assert!(started.contains(&(kind, Lane::OnTime)), "{started:?}");
         let clock = DbClock { at: now, db: at };
