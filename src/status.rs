@@ -322,7 +322,10 @@ async fn group_counts(
     fresh: Duration,
 ) -> Result<Option<(PendingCounts, Duration)>, StoreError> {
     match store.shared_counts(kind, late, fresh).await {
-        Err(StoreError::Db(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42501") => {
+        Err(StoreError::Db(sqlx::Error::Database(e)))
+            if e.code().as_deref()
+                == Some(crate::store::sqlstate::code::INSUFFICIENT_PRIVILEGE) =>
+        {
             Ok(Some((store.counts(kind, late).await?, Duration::ZERO)))
         }
         other => other,

@@ -25,7 +25,7 @@ mod expectations;
 mod fence;
 mod hosts;
 mod settle;
-mod sqlstate;
+pub(crate) mod sqlstate;
 
 pub use api::{ApiRules, Refusal};
 pub use delayed::{
@@ -36,7 +36,7 @@ pub use expectations::{DueRow, PendingFilter, PendingRow, lock_due_sql};
 pub use fence::session_name;
 use settle::Writes;
 pub use settle::{Confirmed, Deletes, Failure, Fired, Settlement};
-pub(crate) use sqlstate::{Blame, blame_of};
+pub(crate) use sqlstate::{Blame, blame_of, refused_by_the_api, waited_too_long};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -7,46 +7,47 @@ use std::io::ErrorKind;
 
 use crate::bus::BusError;
 use crate::config::Settings;
+use crate::store::sqlstate::code as sqlstate;
 
 /// SQLSTATEs (Postgres appendix A) with their hint.
 const SQLSTATE_HINTS: [(&str, &str); 8] = [
     (
-        "42P01",
+        sqlstate::UNDEFINED_TABLE,
         "the schema has no timeoutd tables yet: run `timeoutd migrate` (or `timeoutd run` \
          with postgres.migrate_on_start = true) with the same postgres.url and \
          postgres.schema",
     ),
     (
-        "3F000",
+        sqlstate::INVALID_SCHEMA_NAME,
         "the schema does not exist yet: run `timeoutd migrate` (or `timeoutd run` with \
          postgres.migrate_on_start = true) with the same postgres.url and postgres.schema",
     ),
     (
-        "28P01",
+        sqlstate::INVALID_PASSWORD,
         "Postgres refused the password: check the user and password in postgres.url",
     ),
     (
-        "28000",
+        sqlstate::INVALID_AUTHORIZATION_SPECIFICATION,
         "Postgres refused the login: check the user in postgres.url (and pg_hba.conf)",
     ),
     (
-        "3D000",
+        sqlstate::INVALID_CATALOG_NAME,
         "the database named in postgres.url does not exist: check its path (/<database>)",
     ),
     (
-        "26000",
+        sqlstate::INVALID_SQL_STATEMENT_NAME,
         "the server does not know a prepared statement of this connection: a pooler in \
          transaction mode between? PgBouncer needs max_prepared_statements > 0 (1.21 or \
          later); see docs/operating/pgbouncer.md",
     ),
     (
-        "42P05",
+        sqlstate::DUPLICATE_PREPARED_STATEMENT,
         "a prepared statement of this connection exists already on the server: a pooler \
          in transaction mode between? PgBouncer needs max_prepared_statements > 0 (1.21 \
          or later); see docs/operating/pgbouncer.md",
     ),
     (
-        "42501",
+        sqlstate::INSUFFICIENT_PRIVILEGE,
         "the database role lacks a privilege: see the grants in SECURITY.md (the daemon's \
          role needs USAGE on the schema and rights on its tables; `migrate` needs CREATE)",
     ),

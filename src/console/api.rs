@@ -19,7 +19,7 @@ use sqlx::{AssertSqlSafe, Row};
 use uuid::Uuid;
 
 use crate::config::Settings;
-use crate::store::{Due, Kind, Store, StoreError};
+use crate::store::{self, Due, Kind, Store, StoreError};
 use crate::telemetry::Chain;
 
 /// The most rows a list or a search returns.
@@ -54,19 +54,19 @@ impl From<StoreError> for DbError {
             StoreError::NoAnswer(after) => {
                 DbError::Busy(format!("the database did not answer within {after:?}"))
             }
-            StoreError::Db(sqlx::Error::Database(d)) => match d.code().as_deref() {
-                // query_canceled (statement_timeout), lock_not_available: a row being
-                // fired right now holds its lock for the batch.
-                Some("57014" | "55P03") => DbError::Busy(format!(
-                    "the database did not finish in time ({}); try again",
-                    d.message()
-                )),
-                // What the SQL API raises for a caller's mistake or a row's state.
-                Some("P0001" | "22023" | "22004" | "55000" | "42501") => {
+            StoreError::Db(sqlx::Error::Database(d)) => {
+                let code = d.code();
+                if store::waited_too_long(code.as_deref()) {
+                    DbError::Busy(format!(
+                        "the database did not finish in time ({}); try again",
+                        d.message()
+                    ))
+                } else if store::refused_by_the_api(code.as_deref()) {
                     DbError::Refused(d.message().to_owned())
+                } else {
+                    DbError::Other(Chain(&e).to_string())
                 }
-                _ => DbError::Other(Chain(&e).to_string()),
-            },
+            }
             _ => DbError::Other(Chain(&e).to_string()),
         }
     }

@@ -38,8 +38,8 @@ impl Refusal {
     /// The refusal a database error is, if it is one.
     pub(super) fn of(e: &sqlx::Error) -> Option<Self> {
         match e.as_database_error()?.code()?.as_ref() {
-            "55000" => Some(Refusal::NoBody),
-            "42501" => Some(Refusal::NotPermitted),
+            super::sqlstate::code::OBJECT_NOT_IN_PREREQUISITE_STATE => Some(Refusal::NoBody),
+            super::sqlstate::code::INSUFFICIENT_PRIVILEGE => Some(Refusal::NotPermitted),
             _ => None,
         }
     }

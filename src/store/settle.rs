@@ -335,7 +335,7 @@ async fn attempt(
                 .execute(&mut *tx)
                 .await?;
             let code = e.code();
-            let busy = matches!(code.as_deref(), Some(QUERY_CANCELED | LOCK_NOT_AVAILABLE));
+            let busy = super::waited_too_long(code.as_deref());
             Ok(Err(Refusal {
                 busy,
                 reason: e.to_string(),
@@ -441,10 +441,6 @@ enum Write<'a> {
     Charge(&'a [Failure]),
     Park(Uuid, &'a str),
 }
-
-/// SQLSTATEs of a write that waited too long (`statement_timeout`, `lock_timeout`).
-const QUERY_CANCELED: &str = "57014";
-const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 fn truncate(error: &str) -> String {
     error.chars().take(MAX_ERROR_CHARS).collect()

@@ -1,6 +1,54 @@
-//! What a Postgres error code says about whom to blame: the one reading of SQLSTATEs
-//! for the host search (another host?) and the ingress (hold the message, or give the
-//! batch back?).
+//! What a Postgres error code says: the one reading of SQLSTATEs (Postgres appendix A),
+//! for the host search (another host?), the ingress (hold the message, or give the batch
+//! back?), the settling of a batch (did a write wait too long?), the SQL API's callers
+//! (the command line, the console) and the command line's hints. Codes are named here
+//! and nowhere else.
+
+/// The codes read by name.
+pub(crate) mod code {
+    pub(crate) const INSUFFICIENT_PRIVILEGE: &str = "42501";
+    pub(crate) const OBJECT_NOT_IN_PREREQUISITE_STATE: &str = "55000";
+    pub(crate) const QUERY_CANCELED: &str = "57014";
+    pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
+    pub(crate) const RAISE_EXCEPTION: &str = "P0001";
+    pub(crate) const INVALID_PARAMETER_VALUE: &str = "22023";
+    pub(crate) const NULL_VALUE_NOT_ALLOWED: &str = "22004";
+    pub(crate) const NOT_NULL_VIOLATION: &str = "23502";
+    pub(crate) const PROGRAM_LIMIT_EXCEEDED: &str = "54000";
+    pub(crate) const CONFIGURATION_LIMIT_EXCEEDED: &str = "53400";
+    pub(crate) const UNDEFINED_TABLE: &str = "42P01";
+    pub(crate) const INVALID_SCHEMA_NAME: &str = "3F000";
+    pub(crate) const INVALID_PASSWORD: &str = "28P01";
+    pub(crate) const INVALID_AUTHORIZATION_SPECIFICATION: &str = "28000";
+    pub(crate) const INVALID_CATALOG_NAME: &str = "3D000";
+    pub(crate) const INVALID_SQL_STATEMENT_NAME: &str = "26000";
+    pub(crate) const DUPLICATE_PREPARED_STATEMENT: &str = "42P05";
+}
+
+/// A write that waited too long: `statement_timeout` or `lock_timeout` (a row being fired
+/// holds its lock for the batch).
+pub(crate) fn waited_too_long(code: Option<&str>) -> bool {
+    matches!(code, Some(code::QUERY_CANCELED | code::LOCK_NOT_AVAILABLE))
+}
+
+/// What the SQL API raises for a caller's mistake, a bound, a right or a row's state (see
+/// docs/integrating/sql-api.md): to show as a refusal, not as a failure.
+pub(crate) fn refused_by_the_api(code: Option<&str>) -> bool {
+    use code::*;
+    matches!(
+        code,
+        Some(
+            RAISE_EXCEPTION
+                | INVALID_PARAMETER_VALUE
+                | NULL_VALUE_NOT_ALLOWED
+                | NOT_NULL_VIOLATION
+                | PROGRAM_LIMIT_EXCEEDED
+                | CONFIGURATION_LIMIT_EXCEEDED
+                | OBJECT_NOT_IN_PREREQUISITE_STATE
+                | INSUFFICIENT_PRIVILEGE
+        )
+    )
+}
 
 /// Who an error is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,7 +67,7 @@ pub(crate) enum Blame {
 }
 
 const HOST: [&str; 4] = ["25006", "57P01", "57P02", "57P03"];
-const DATABASE: [&str; 5] = ["40", "53", "55P03", "57", "58"];
+const DATABASE: [&str; 5] = ["40", "53", code::LOCK_NOT_AVAILABLE, "57", "58"];
 
 /// The blame for a SQLSTATE (`None`: an error without one).
 pub(crate) fn blame(code: Option<&str>) -> Blame {
