@@ -1,3 +1,4 @@
+use super::validate::MAX_CONCURRENCY;
 use super::*;
 
 fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
