@@ -14,7 +14,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::{Due, Store, StoreError, safe};
+use super::sql::safe;
+use super::{Due, Store, StoreError};
 use crate::config::Settings;
 use serde::Serialize;
 use sqlx::types::Json;

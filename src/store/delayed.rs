@@ -10,7 +10,9 @@ use uuid::Uuid;
 
 use serde::Serialize;
 
-use super::{Kind, PendingFilter, Store, StoreError, column, safe};
+use super::due::{column, tid};
+use super::sql::safe;
+use super::{Kind, PendingFilter, Store, StoreError};
 
 /// One due delayed message, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,7 +63,7 @@ impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for DelayedRow {
             due_at: column(row, 12, "due_at")?,
             fired_at: column(row, 13, "fired_at")?,
             window_end: column(row, 14, "window_end")?,
-            tid: super::tid(row, 15)?,
+            tid: tid(row, 15)?,
         })
     }
 }

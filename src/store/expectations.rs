@@ -11,7 +11,9 @@ use uuid::Uuid;
 
 use sqlx::postgres::PgRow;
 
-use super::{Kind, PendingCounts, Store, StoreError, column, safe};
+use super::due::{column, tid};
+use super::sql::safe;
+use super::{Kind, PendingCounts, Store, StoreError};
 
 /// One due row, locked by the scan's transaction.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,7 +61,7 @@ impl<'r> sqlx::FromRow<'r, PgRow> for DueRow {
             due_at: column(row, 10, "due_at")?,
             fired_at: column(row, 11, "fired_at")?,
             window_end: column(row, 12, "window_end")?,
-            tid: super::tid(row, 13)?,
+            tid: tid(row, 13)?,
         })
     }
 }

@@ -9,7 +9,8 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{Kind, Store, StoreError, safe};
+use super::sql::safe;
+use super::{Kind, Store, StoreError};
 
 /// A publish that did not go through: the row stays and is retried after `delay`, or
 /// (`None`) is held for an operator (`retry_at = 'infinity'`): retrying cannot help.
@@ -135,7 +136,7 @@ impl Writes {
         // Epochs, not a difference of timestamps: '-infinity' - now() is an error before
         // Postgres 17, its epoch is minus infinity.
         let secs = format!("(extract(epoch FROM {due_at}) - extract(epoch FROM now()))::float8");
-        let from = super::from_bound("$3");
+        let from = super::sql::from_bound("$3");
         Self {
             table: t.as_str().into(),
             lock: format!("LOCK TABLE {t} IN ROW EXCLUSIVE MODE").into(),
@@ -458,7 +459,7 @@ fn shared_read(schema: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use crate::store::Sql;
+    use crate::store::sql::Sql;
 
     #[test]
     fn every_kind_has_its_writes_in_its_place() {
