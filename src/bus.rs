@@ -1,20 +1,22 @@
 //! RabbitMQ through lapin: connect, declare the announcement topology, announce, consume,
-//! and publish TimeOuts with confirms (`publish`). Every wait here is bounded by a
-//! configured timeout.
+//! and publish TimeOuts with confirms (`publish`; each message's fate is judged in
+//! `fate`). Every wait here is bounded by a configured timeout.
 
 mod convert;
+mod fate;
 mod frame;
 mod ingress;
 mod proof;
 mod publish;
 
 pub use convert::{lapin_properties, wire_properties};
+pub use fate::{Fate, PublishError};
 pub use frame::{
     HEADROOM, MAX_DELIVERIES, MAX_DEPTH as MAX_HEADER_DEPTH, MAX_VALUES as MAX_HEADER_VALUES,
     Refusal, header_frame_size,
 };
 pub use ingress::{Arrived, DELIVERY_LIMIT, InTheWay, Ingress, IngressSpec, OpenError};
-pub use publish::{Budget, Fate, HANDED_OVER_TOGETHER, PublishError, Published, ToPublish};
+pub use publish::{Budget, HANDED_OVER_TOGETHER, Published, ToPublish};
 
 use std::str::FromStr;
 use std::sync::{Mutex, MutexGuard};
@@ -186,8 +188,10 @@ impl Bus {
     /// The largest body this bus may publish: `amqp.max_message_size`, or the broker's
     /// own limit once a refusal taught it (see `proof`).
     pub fn size_limit(&self) -> usize {
-        let max = usize::try_from(self.settings.max_message_size.as_u64()).unwrap_or(usize::MAX);
-        self.proofs().limit().map_or(max, |l| l.min(max))
+        fate::size_max(
+            self.settings.max_message_size.as_u64(),
+            self.proofs().limit(),
+        )
     }
 
     /// The connection's negotiated `frame_max`: no content-header frame may be larger.

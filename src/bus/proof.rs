@@ -12,7 +12,7 @@
 //!   below `amqp.max_message_size`); a refusal for size teaches the broker's real limit,
 //!   and larger messages then fail before they are sent;
 //! - the rest of what the broker would refuse is checked before sending (names,
-//!   `expiration`, `reply_to`, `CC`/`BCC`: see `publish::precheck`).
+//!   `expiration`, `reply_to`, `CC`/`BCC`: see `fate::precheck`).
 //!
 //! Everything else is a *pilot*: sent alone, the largest of its kind first, so that one
 //! accepted pilot proves as much as it can and the rest follow on a shared channel.

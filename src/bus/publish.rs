@@ -1,30 +1,23 @@
-//! Publishing one batch with confirms, and the fate of every message in it.
-//!
-//! Each message's fate comes from facts about that message, never from ordering luck:
+//! Publishing one batch with confirms: the I/O. What becomes of each message is judged in
+//! [`fate`] from facts about that message alone; they are gathered here so that each is
+//! about one message:
 //! - a batch publishes on confirm channels of its own (taken from a pool, given back
 //!   only when every confirm came in), so concurrent batches never see each other's
 //!   returns, confirms or channel closes;
-//! - a returned (unroutable) message is matched by its `message_id`, which the broker
-//!   sends back with it: lapin hands a return to whichever confirm resolves next, so the
-//!   confirm it arrives with says nothing about which message it was;
-//! - what the broker would refuse by closing the channel is checked before publishing
-//!   where it can be (names, size, `expiration`, `reply_to`, `CC`/`BCC`); the rest —
-//!   an exchange missing or refusing us, a routing key a topic permission refuses, a
-//!   body over the broker's own size limit — is learnt from *pilots*: a message shares
-//!   a channel only with what the broker already accepted from us (see [`proof`]), and
-//!   anything else goes out alone, so a refusal closes a channel that carried nothing
-//!   but the message it is about;
-//! - a pilot's refusal is judged by what it concerns: a missing or refusing exchange
-//!   fails every message of the batch for that exchange (or, for a topic permission,
-//!   for that exchange and routing key) with that reason; a refusal of the message itself
-//!   fails it alone and the others go on.
+//! - a returned (unroutable) message is taken from whichever confirm lapin hands it to,
+//!   with the `message_id` it is matched by;
+//! - what the broker would refuse by closing the channel and [`fate::precheck`] cannot
+//!   tell — an exchange missing or refusing us, a routing key a topic permission
+//!   refuses, a body over the broker's own size limit — is learnt from *pilots*: a
+//!   message shares a channel only with what the broker already accepted from us (see
+//!   [`proof`]), and anything else goes out alone, so a refusal closes a channel that
+//!   carried nothing but the message it is about.
 //!
 //! The batch goes out in waves: pilots and the proven messages side by side, then what
 //! the pilots' answers released. The whole batch is bounded by a [`Budget`]: no message
 //! is sent after `send_until` or once `stop` is cancelled, no channel opening, write or
 //! confirm is awaited past `confirm_until`.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -38,10 +31,14 @@ use tokio::time::timeout_at;
 use tokio_util::sync::CancellationToken;
 
 use super::convert::lapin_properties;
+use super::fate::{
+    self, Alone, Answer, BUDGET_SPENT, Close, Decided, End, Fate, PublishError, decide_alone,
+    fate_alone, judge_shared, refused_properties,
+};
 use super::frame::header_frame_size;
 use super::proof::{self, Job, Refusal, Shape};
 use super::{Bus, BusError};
-use crate::wire::{Message, Properties, Value};
+use crate::wire::{Message, Properties};
 
 /// Messages of a shared channel handed to lapin at once (see `publish_shared`). Under
 /// flow control, the part in flight may time out; the parts after it stay unsent.
@@ -119,128 +116,12 @@ impl<'a> Outgoing<'a> {
     }
 }
 
-/// Properties RabbitMQ refuses by closing the channel (`rabbit_channel`'s checks on
-/// `basic.publish`), so that no such message is ever sent.
-fn refused_properties(p: &Properties) -> Option<PublishError> {
-    if let Some(e) = p.expiration.as_deref().filter(|e| !valid_expiration(e)) {
-        return Some(PublishError::Invalid(format!(
-            "expiration {e:?} is not a number of milliseconds up to 4294967295"
-        )));
-    }
-    // Direct reply-to works only on the requester's own channel.
-    if p.reply_to.as_deref() == Some(DIRECT_REPLY_TO) {
-        return Some(PublishError::Invalid(format!(
-            "reply_to {DIRECT_REPLY_TO} cannot be delayed: only the requester's own \
-             channel may publish with it"
-        )));
-    }
-    p.headers
-        .iter()
-        .find(|(k, v)| (k == "CC" || k == "BCC") && !matches!(v, Value::Array(_)))
-        .map(|(k, _)| PublishError::Invalid(format!("header {k} must be an array")))
-}
-
-const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
-
-/// As RabbitMQ reads it: an integer (an optional `+`, digits) from 0 to 2^32 - 1.
-fn valid_expiration(e: &str) -> bool {
-    let digits = e.strip_prefix('+').unwrap_or(e);
-    !digits.is_empty()
-        && digits.bytes().all(|b| b.is_ascii_digit())
-        && digits
-            .parse::<u64>()
-            .is_ok_and(|n| n <= u64::from(u32::MAX))
-}
-
-/// Why one message was not confirmed.
-#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
-pub enum PublishError {
-    #[error("exchange {0:?} does not exist")]
-    NoExchange(String),
-    #[error("refused by the broker: {0}")]
-    Refused(String),
-    #[error("unroutable: returned by the broker ({0})")]
-    Returned(String),
-    #[error("nacked by the broker")]
-    Nacked,
-    #[error("not confirmed within {0:?}")]
-    ConfirmTimeout(Duration),
-    #[error("invalid message: {0}")]
-    Invalid(String),
-    /// A destination this message may never be sent to (see
-    /// `destinations::Destinations`): held for an operator, not retried.
-    #[error("not allowed, held: {0}")]
-    NotAllowed(String),
-    /// Over `amqp.max_message_size`, or over the broker's own limit once it refused one.
-    #[error("message of {size} bytes is over the limit of {max} bytes")]
-    TooLarge { size: usize, max: usize },
-    /// Its content-header frame (every property, timeoutd's own headers included) is
-    /// over the connection's `frame_max`: the broker would close the connection. Held.
-    #[error(
-        "properties and headers of {size} bytes encoded (timeoutd's own headers included) \
-         do not fit the frame_max of {max} bytes, held"
-    )]
-    HeaderTooLarge { size: usize, max: usize },
-    #[error("channel closed by the broker: {0}")]
-    Channel(String),
-}
-
-impl PublishError {
-    /// Retrying cannot help, whatever happens on the broker: the row is held.
-    pub fn holds(&self) -> bool {
-        matches!(
-            self,
-            PublishError::NotAllowed(_) | PublishError::HeaderTooLarge { .. }
-        )
-    }
-
-    /// Stable label for logs and metrics.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            PublishError::NoExchange(_) => "no_exchange",
-            PublishError::Refused(_) => "refused",
-            PublishError::Returned(_) => "returned",
-            PublishError::Nacked => "nacked",
-            PublishError::ConfirmTimeout(_) => "confirm_timeout",
-            PublishError::Invalid(_) => "invalid",
-            PublishError::NotAllowed(_) => "not_allowed",
-            PublishError::TooLarge { .. } => "too_large",
-            PublishError::HeaderTooLarge { .. } => "header_too_large",
-            PublishError::Channel(_) => "channel",
-        }
-    }
-}
-
-/// What became of one message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Fate {
-    /// Confirmed by the broker and not returned: delivered.
-    Confirmed,
-    /// Not delivered, for a reason of its own: the caller keeps it and retries later.
-    Failed(PublishError),
-    /// Never sent (budget spent, stopping, or no channel): nothing happened to it.
-    Unsent,
-    /// Sent, but its channel or connection closed before the confirm: it may or may not
-    /// have been delivered.
-    Unknown(String),
-}
-
 /// The bounds of one batch.
 #[derive(Debug, Clone)]
 pub struct Budget {
     pub send_until: Instant,
     pub confirm_until: Instant,
     pub stop: CancellationToken,
-}
-
-/// What a [`BusError::Timeout`] names when a batch's budget ran out: a slow broker for
-/// this batch, not a node that cannot publish.
-const BUDGET_SPENT: &str = "open channel within the batch budget";
-
-impl BusError {
-    fn is_budget(&self) -> bool {
-        matches!(self, BusError::Timeout { what, .. } if *what == BUDGET_SPENT)
-    }
 }
 
 impl Budget {
@@ -260,30 +141,6 @@ pub struct Published {
     pub sent: Option<Instant>,
 }
 
-/// A pilot's outcome.
-enum Alone {
-    Delivered(Fate),
-    /// The broker closed the channel under it: what the refusal concerns, and this
-    /// message's failure.
-    Refused(Refusal, PublishError),
-    /// No confirm in time.
-    TimedOut(PublishError),
-    Lost(String, BusError),
-    NoChannel(BusError),
-    /// The budget ran out before it could be sent.
-    NotSent,
-}
-
-/// Decided fates, messages for the next wave, bus trouble.
-#[derive(Default)]
-struct Decided {
-    fates: Vec<(usize, Fate)>,
-    replan: Vec<usize>,
-    trouble: Option<BusError>,
-    /// When the job handed its last message to the broker.
-    sent: Option<Instant>,
-}
-
 impl Bus {
     /// Publish `batch` (mandatory, confirm mode) within `budget`; one fate per message.
     pub async fn publish_batch(&self, batch: &[ToPublish], budget: &Budget) -> Published {
@@ -299,7 +156,11 @@ impl Bus {
         while !pending.is_empty() {
             let view = self.proofs().view(Instant::now());
             // Checked again each wave: a pilot may have taught the broker's size limit.
-            pending.retain(|&i| match self.precheck(&batch[i], view.limit) {
+            let max = fate::size_max(self.settings.max_message_size.as_u64(), view.limit);
+            let frame_max = self.frame_max();
+            let precheck =
+                |i: usize| fate::precheck(&shapes[i], batch[i].header_frame, frame_max, max);
+            pending.retain(|&i| match precheck(i) {
                 Ok(()) => true,
                 Err(e) => {
                     fates[i] = Some(Fate::Failed(e));
@@ -343,34 +204,6 @@ impl Bus {
             Job::Alone { first, rest } => self.run_alone(batch, shapes, first, rest, budget).await,
             Job::Shared(idx) => self.publish_shared(batch, shapes, &idx, budget).await,
         }
-    }
-
-    /// Refuse what the broker would refuse by closing the channel, where size and names
-    /// tell: `limit` is the broker's own size limit, once learnt.
-    fn precheck(&self, m: &Outgoing<'_>, limit: Option<usize>) -> Result<(), PublishError> {
-        for (name, what) in [
-            (m.exchange, "exchange name"),
-            (m.routing_key, "routing key"),
-        ] {
-            crate::wire::short(name, what).map_err(|e| PublishError::Invalid(e.0))?;
-        }
-        let frame_max = usize::try_from(self.frame_max()).unwrap_or(usize::MAX);
-        if m.header_frame > frame_max {
-            return Err(PublishError::HeaderTooLarge {
-                size: m.header_frame,
-                max: frame_max,
-            });
-        }
-        let max = self.settings.max_message_size.as_u64();
-        let max = usize::try_from(max).unwrap_or(usize::MAX);
-        let max = limit.map_or(max, |l| l.min(max));
-        if m.body.len() > max {
-            return Err(PublishError::TooLarge {
-                size: m.body.len(),
-                max,
-            });
-        }
-        Ok(())
     }
 
     /// Send `first` alone; what becomes of `rest` (messages waiting for what it proves)
@@ -427,7 +260,7 @@ impl Bus {
         match answer {
             Ok(a) => {
                 self.give_back(channel);
-                Alone::Delivered(fate_alone(m, &a))
+                Alone::Delivered(fate_alone(m.message_id, &a))
             }
             Err(Waited::TimedOut(after)) => Alone::TimedOut(PublishError::ConfirmTimeout(after)),
             Err(Waited::Closed(e)) => self.closed_under(m, &e),
@@ -439,21 +272,7 @@ impl Bus {
         if !self.is_healthy() {
             return Alone::Lost(e.to_string(), BusError::ConnectionLost);
         }
-        let refusal = refusal_of(e, m.body.len());
-        let failure = match &refusal {
-            Refusal::Exchange if soft_error(e) == Some(AMQPSoftError::NOTFOUND) => {
-                PublishError::NoExchange(m.exchange.to_owned())
-            }
-            Refusal::Exchange | Refusal::RoutingKey => PublishError::Refused(e.to_string()),
-            Refusal::Size { limit: Some(max) } => PublishError::TooLarge {
-                size: m.body.len(),
-                max: *max,
-            },
-            Refusal::Size { limit: None } | Refusal::Message => {
-                PublishError::Channel(e.to_string())
-            }
-        };
-        Alone::Refused(refusal, failure)
+        fate::refused(&m.shape(), &Close::of(e))
     }
 
     /// Proven messages of one exchange, pipelined on a channel of their own.
@@ -644,7 +463,7 @@ impl Bus {
 
 /// Hand `m` to lapin: mandatory, in confirm mode.
 async fn publish(channel: &Channel, m: &Outgoing<'_>) -> lapin::Result<PublisherConfirm> {
-    // Names were checked by `precheck`.
+    // Names were checked by `fate::precheck`.
     let exchange = ShortString::try_new(m.exchange).unwrap_or_default();
     let routing_key = ShortString::try_new(m.routing_key).unwrap_or_default();
     let options = BasicPublishOptions {
@@ -656,14 +475,14 @@ async fn publish(channel: &Channel, m: &Outgoing<'_>) -> lapin::Result<Publisher
         .await
 }
 
-/// The broker's answer to one publish: ack or nack, and a returned message that came
-/// with it (not necessarily this publish's own).
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Answer {
-    ack: bool,
-    /// The returned message's `message_id`, and the broker's reason.
-    returned: Option<(String, String)>,
+/// How waiting for one confirm ended, when it did not end in a confirm.
+enum Waited {
+    TimedOut(Duration),
+    Closed(lapin::Error),
 }
+
+// lapin's side of `fate`'s facts: reading confirms, returns and channel closes off
+// lapin's types is the adapter's.
 
 impl Answer {
     fn of(c: lapin::Confirmation) -> Self {
@@ -674,128 +493,16 @@ impl Answer {
     }
 }
 
-/// How waiting for one confirm ended, when it did not end in a confirm.
-enum Waited {
-    TimedOut(Duration),
-    Closed(lapin::Error),
-}
-
-/// How one message of a shared channel ended, as far as this side can tell.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum End {
-    Answered(Answer),
-    /// No confirm within the bound.
-    TimedOut(Duration),
-    /// Its channel closed before the confirm: why, and what the close concerns.
-    Closed(String, Refusal),
-    /// Never left the process.
-    NotSent,
-}
-
 impl End {
     fn of(confirm: lapin::Result<lapin::Confirmation>) -> Self {
         match confirm {
             Ok(c) => End::Answered(Answer::of(c)),
-            Err(e) => End::Closed(e.to_string(), refusal_of(&e, 0)),
-        }
-    }
-}
-
-/// The fates of a shared channel's messages (`ids[k]` is the `message_id` of `ends[k]`'s
-/// message), pushed onto `fates`; true when every confirm came in (the channel can serve
-/// another batch: nothing of this one can still arrive on it).
-fn judge_shared(ids: &[&str], ends: Vec<(usize, End)>, fates: &mut Vec<(usize, Fate)>) -> bool {
-    // Every return first: it may have arrived with any message's confirm.
-    let returned: HashMap<&str, &str> = ends
-        .iter()
-        .filter_map(|(_, e)| match e {
-            End::Answered(a) => a.returned.as_ref(),
-            _ => None,
-        })
-        .map(|(id, why)| (id.as_str(), why.as_str()))
-        .collect();
-    let returned = |k: usize| returned.get(ids[k]).map(|why| (*why).to_owned());
-    let mut clean = true;
-    let mut judged = Vec::with_capacity(ends.len());
-    for (k, (i, end)) in ends.iter().enumerate() {
-        let fate = match (end, returned(k)) {
-            (End::NotSent, _) => Fate::Unsent,
-            (_, Some(why)) => Fate::Failed(PublishError::Returned(why)),
-            (End::Answered(a), None) if a.ack => Fate::Confirmed,
-            (End::Answered(_), None) => Fate::Failed(PublishError::Nacked),
-            (End::TimedOut(after), None) => Fate::Failed(PublishError::ConfirmTimeout(*after)),
-            (End::Closed(why, _), None) => Fate::Unknown(why.clone()),
-        };
-        clean &= matches!(end, End::Answered(_) | End::NotSent);
-        judged.push((*i, fate));
-    }
-    fates.extend(judged);
-    clean
-}
-
-/// What becomes of a pilot (`first`) and the messages waiting for it (`rest`), from the
-/// pilot's outcome.
-fn decide_alone(shapes: &[Shape<'_>], first: usize, rest: Vec<usize>, alone: Alone) -> Decided {
-    let mut d = Decided::default();
-    let unsent = |d: &mut Decided, rest: Vec<usize>| {
-        d.fates.extend(rest.into_iter().map(|j| (j, Fate::Unsent)));
-    };
-    let m = &shapes[first];
-    match alone {
-        Alone::Delivered(fate) => {
-            d.fates.push((first, fate));
-            d.replan = rest;
-        }
-        Alone::Refused(refusal, e) => {
-            // The same answer for every message the refusal is about.
-            for j in rest {
-                let o = &shapes[j];
-                let same = match refusal {
-                    Refusal::Exchange => o.exchange == m.exchange,
-                    Refusal::RoutingKey => {
-                        o.exchange == m.exchange && o.routing_key == m.routing_key
-                    }
-                    Refusal::Size { .. } | Refusal::Message => false,
-                };
-                if same {
-                    d.fates.push((j, Fate::Failed(e.clone())));
-                } else {
-                    d.replan.push(j);
-                }
+            Err(e) => {
+                let close = Close::of(&e);
+                let refusal = close.refusal(0);
+                End::Closed(close.text, refusal)
             }
-            d.fates.push((first, Fate::Failed(e)));
         }
-        // The broker does not answer: try the rest in the next batch instead of holding
-        // this one up message after message.
-        Alone::TimedOut(e) => {
-            d.fates.push((first, Fate::Failed(e)));
-            unsent(&mut d, rest);
-        }
-        Alone::Lost(why, e) => {
-            d.fates.push((first, Fate::Unknown(why)));
-            unsent(&mut d, rest);
-            d.trouble = Some(e);
-        }
-        Alone::NoChannel(e) => {
-            d.fates.push((first, Fate::Unsent));
-            unsent(&mut d, rest);
-            d.trouble = Some(e).filter(|e| !e.is_budget());
-        }
-        Alone::NotSent => {
-            d.fates.push((first, Fate::Unsent));
-            unsent(&mut d, rest);
-        }
-    }
-    d
-}
-
-/// The fate of a pilot from its own confirm: returned (by its message_id), acked or
-/// nacked.
-fn fate_alone(m: &Outgoing<'_>, a: &Answer) -> Fate {
-    match &a.returned {
-        Some((id, why)) if id == m.message_id => Fate::Failed(PublishError::Returned(why.clone())),
-        _ if a.ack => Fate::Confirmed,
-        _ => Fate::Failed(PublishError::Nacked),
     }
 }
 
@@ -805,15 +512,16 @@ fn returned_entry(r: lapin::message::BasicReturnMessage) -> Option<(String, Stri
     Some((id, format!("{} {}", r.reply_code, r.reply_text)))
 }
 
-/// What a channel close under a message of `size` bytes concerns.
-fn refusal_of(e: &lapin::Error, size: usize) -> Refusal {
-    let soft = soft_error(e);
-    Refusal::of(
-        soft == Some(AMQPSoftError::NOTFOUND),
-        soft == Some(AMQPSoftError::ACCESSREFUSED),
-        &e.to_string(),
-        size,
-    )
+impl Close {
+    /// The close lapin reports with `e`.
+    fn of(e: &lapin::Error) -> Self {
+        let soft = soft_error(e);
+        Close {
+            not_found: soft == Some(AMQPSoftError::NOTFOUND),
+            access_refused: soft == Some(AMQPSoftError::ACCESSREFUSED),
+            text: e.to_string(),
+        }
+    }
 }
 
 fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
@@ -830,194 +538,8 @@ fn soft_error(e: &lapin::Error) -> Option<AMQPSoftError> {
 mod tests {
     use super::*;
 
-    fn acked(returned: Option<(&str, &str)>) -> End {
-        End::Answered(Answer {
-            ack: true,
-            returned: returned.map(|(id, why)| (id.to_owned(), why.to_owned())),
-        })
-    }
-
-    fn judged(ids: &[&str], ends: Vec<(usize, End)>) -> (Vec<(usize, Fate)>, bool) {
-        let mut fates = Vec::new();
-        let clean = judge_shared(ids, ends, &mut fates);
-        (fates, clean)
-    }
-
     #[test]
-    fn a_shared_channel_judges_each_message_by_its_own_confirm() {
-        let nacked = End::Answered(Answer {
-            ack: false,
-            returned: None,
-        });
-        let (fates, clean) = judged(&["a", "b"], vec![(4, acked(None)), (7, nacked)]);
-        assert_eq!(
-            fates,
-            vec![
-                (4, Fate::Confirmed),
-                (7, Fate::Failed(PublishError::Nacked))
-            ]
-        );
-        assert!(clean, "every confirm came in: the channel may serve again");
-    }
-
-    #[test]
-    fn a_return_is_matched_by_message_id_whichever_confirm_brought_it() {
-        // lapin hands "b"'s return to the confirm of "a".
-        let ends = vec![(0, acked(Some(("b", "312 NO_ROUTE")))), (1, acked(None))];
-        let (fates, clean) = judged(&["a", "b"], ends);
-        assert_eq!(
-            fates,
-            vec![
-                (0, Fate::Confirmed),
-                (
-                    1,
-                    Fate::Failed(PublishError::Returned("312 NO_ROUTE".into()))
-                )
-            ]
-        );
-        assert!(clean);
-    }
-
-    #[test]
-    fn no_confirm_times_out_and_a_closed_channel_leaves_the_fate_unknown() {
-        let after = Duration::from_secs(5);
-        let ends = vec![
-            (0, End::TimedOut(after)),
-            (1, End::Closed("channel closed".into(), Refusal::Message)),
-            (2, End::NotSent),
-            // A return that came in before its channel closed still says what happened.
-            (3, End::Closed("channel closed".into(), Refusal::Message)),
-            (4, acked(Some(("d", "312 NO_ROUTE")))),
-        ];
-        let (fates, clean) = judged(&["a", "b", "c", "d", "e"], ends);
-        assert_eq!(
-            fates,
-            vec![
-                (0, Fate::Failed(PublishError::ConfirmTimeout(after))),
-                (1, Fate::Unknown("channel closed".into())),
-                (2, Fate::Unsent),
-                (
-                    3,
-                    Fate::Failed(PublishError::Returned("312 NO_ROUTE".into()))
-                ),
-                (4, Fate::Confirmed),
-            ]
-        );
-        assert!(!clean, "confirms may still arrive on that channel");
-    }
-
-    #[test]
-    fn unsent_messages_leave_the_channel_clean() {
-        let (fates, clean) = judged(&["a"], vec![(0, End::NotSent)]);
-        assert_eq!(fates, vec![(0, Fate::Unsent)]);
-        assert!(clean);
-    }
-
-    fn shape(exchange: &'static str, routing_key: &'static str) -> Shape<'static> {
-        Shape {
-            exchange,
-            routing_key,
-            size: 1,
-            alone: false,
-        }
-    }
-
-    fn sorted(mut d: Decided) -> (Vec<(usize, Fate)>, Vec<usize>, bool) {
-        d.fates.sort_by_key(|(i, _)| *i);
-        (d.fates, d.replan, d.trouble.is_some())
-    }
-
-    #[test]
-    fn a_pilot_refused_for_its_exchange_fails_that_exchange_alone() {
-        let shapes = [shape("x", "a"), shape("x", "b"), shape("y", "a")];
-        let e = PublishError::NoExchange("x".into());
-        let alone = Alone::Refused(Refusal::Exchange, e.clone());
-        let (fates, replan, trouble) = sorted(decide_alone(&shapes, 0, vec![1, 2], alone));
-        assert_eq!(
-            fates,
-            vec![(0, Fate::Failed(e.clone())), (1, Fate::Failed(e))]
-        );
-        assert_eq!((replan, trouble), (vec![2], false));
-    }
-
-    #[test]
-    fn a_topic_refusal_fails_that_routing_key_alone() {
-        let shapes = [shape("x", "a"), shape("x", "b"), shape("x", "a")];
-        let e = PublishError::Refused("ACCESS_REFUSED".into());
-        let alone = Alone::Refused(Refusal::RoutingKey, e.clone());
-        let (fates, replan, _) = sorted(decide_alone(&shapes, 0, vec![1, 2], alone));
-        assert_eq!(
-            fates,
-            vec![(0, Fate::Failed(e.clone())), (2, Fate::Failed(e))]
-        );
-        assert_eq!(replan, vec![1]);
-    }
-
-    #[test]
-    fn a_refusal_of_the_message_itself_fails_it_alone() {
-        let shapes = [shape("x", "a"), shape("x", "a")];
-        for refusal in [Refusal::Message, Refusal::Size { limit: Some(1) }] {
-            let e = PublishError::Channel("PRECONDITION_FAILED".into());
-            let alone = Alone::Refused(refusal, e.clone());
-            let (fates, replan, _) = sorted(decide_alone(&shapes, 0, vec![1], alone));
-            assert_eq!(fates, vec![(0, Fate::Failed(e))]);
-            assert_eq!(replan, vec![1]);
-        }
-    }
-
-    #[test]
-    fn what_waits_for_a_pilot_goes_on_only_once_it_was_delivered() {
-        let shapes = [shape("x", "a"), shape("x", "a"), shape("x", "a")];
-        let (fates, replan, _) = sorted(decide_alone(
-            &shapes,
-            0,
-            vec![1, 2],
-            Alone::Delivered(Fate::Confirmed),
-        ));
-        assert_eq!((fates, replan), (vec![(0, Fate::Confirmed)], vec![1, 2]));
-        let after = Duration::from_secs(5);
-        let unanswered = [
-            (
-                Alone::TimedOut(PublishError::ConfirmTimeout(after)),
-                Fate::Failed(PublishError::ConfirmTimeout(after)),
-                false,
-            ),
-            (
-                Alone::Lost("gone".into(), BusError::ConnectionLost),
-                Fate::Unknown("gone".into()),
-                true,
-            ),
-            (
-                Alone::NoChannel(BusError::ConnectionLost),
-                Fate::Unsent,
-                true,
-            ),
-            (Alone::NotSent, Fate::Unsent, false),
-        ];
-        for (alone, first, trouble) in unanswered {
-            let (fates, replan, troubled) = sorted(decide_alone(&shapes, 0, vec![1, 2], alone));
-            assert_eq!(
-                fates,
-                vec![(0, first), (1, Fate::Unsent), (2, Fate::Unsent)]
-            );
-            assert!(replan.is_empty());
-            assert_eq!(troubled, trouble);
-        }
-    }
-
-    #[test]
-    fn a_spent_budget_is_no_trouble_of_the_bus() {
-        let shapes = [shape("x", "a")];
-        let spent = BusError::Timeout {
-            what: BUDGET_SPENT,
-            after: Duration::ZERO,
-        };
-        let d = decide_alone(&shapes, 0, Vec::new(), Alone::NoChannel(spent));
-        assert!(d.trouble.is_none());
-    }
-
-    #[test]
-    fn a_pilot_is_judged_by_its_own_return() {
+    fn an_outgoing_message_is_matched_by_its_id_and_builds_its_properties_once_and_again() {
         let message = ToPublish {
             message: Message {
                 exchange: "x".into(),
@@ -1032,21 +554,7 @@ mod tests {
         };
         let (m, invalid) = Outgoing::of(&message);
         assert!(invalid.is_none());
-        let answer = |ack, returned: Option<&str>| Answer {
-            ack,
-            returned: returned.map(|id| (id.to_owned(), "312 NO_ROUTE".to_owned())),
-        };
-        assert_eq!(fate_alone(&m, &answer(true, None)), Fate::Confirmed);
-        assert_eq!(
-            fate_alone(&m, &answer(false, None)),
-            Fate::Failed(PublishError::Nacked)
-        );
-        assert_eq!(
-            fate_alone(&m, &answer(true, Some("m"))),
-            Fate::Failed(PublishError::Returned("312 NO_ROUTE".into()))
-        );
-        // Another message's return says nothing about this one.
-        assert_eq!(fate_alone(&m, &answer(true, Some("n"))), Fate::Confirmed);
+        assert_eq!(m.message_id, "m");
         // Its properties are built once, and again should it be sent again.
         assert_eq!(
             m.properties().message_id().as_ref().map(|s| s.as_str()),
@@ -1056,56 +564,5 @@ mod tests {
             m.properties().message_id().as_ref().map(|s| s.as_str()),
             Some("m")
         );
-    }
-
-    #[test]
-    fn expirations_as_rabbitmq_reads_them() {
-        for ok in ["0", "60000", "+5", "4294967295"] {
-            assert!(valid_expiration(ok), "{ok}");
-        }
-        for bad in [
-            "",
-            "-1",
-            " 5",
-            "5 ",
-            "1.5",
-            "4294967296",
-            "+",
-            "abc",
-            "99999999999999999999",
-        ] {
-            assert!(!valid_expiration(bad), "{bad}");
-        }
-    }
-
-    #[test]
-    fn properties_that_would_close_the_channel_fail_the_message_alone() {
-        let refused = |p: Properties| refused_properties(&p).map(|e| e.reason());
-        assert_eq!(refused(Properties::default()), None);
-        let expiration = Properties {
-            expiration: Some("soon".into()),
-            ..Properties::default()
-        };
-        assert_eq!(refused(expiration), Some("invalid"));
-        let reply_to = Properties {
-            reply_to: Some(DIRECT_REPLY_TO.into()),
-            ..Properties::default()
-        };
-        assert_eq!(refused(reply_to), Some("invalid"));
-        let cc = |v: Value| Properties {
-            headers: vec![("CC".into(), v)],
-            ..Properties::default()
-        };
-        assert_eq!(refused(cc(Value::Str("q".into()))), Some("invalid"));
-        assert_eq!(
-            refused(cc(Value::Array(vec![Value::Str("q".into())]))),
-            None
-        );
-        // Only the broker's own header names count.
-        let other = Properties {
-            headers: vec![("cc".into(), Value::Str("q".into()))],
-            ..Properties::default()
-        };
-        assert_eq!(refused(other), None);
     }
 }
