@@ -163,17 +163,17 @@ async fn while_active(peer: Peer, fault: Fault) {
     // A database holds the batches' commits. A broker holds their confirms, or, with
     // none in flight, the connection's close; lapin may also end the connection itself
     // when a late confirm arrives for a channel the given-up batch left closing. The
-    // batches are given up by the scan task, or with it when it did not get to do so
+    // batches are given up by the firing task, or with it when it did not get to do so
     // within the grace (a loaded machine).
     let expected: &[&str] = match peer {
         Peer::Broker => &[
-            "scan batch(es) in flight",
-            "the scan task (its batches in flight)",
+            "firing batch(es) in flight",
+            "the firing task (its batches in flight)",
             "closing the RabbitMQ connection",
         ],
         Peer::Database => &[
-            "scan batch(es) in flight",
-            "the scan task (its batches in flight)",
+            "firing batch(es) in flight",
+            "the firing task (its batches in flight)",
         ],
     };
     assert!(
