@@ -462,8 +462,9 @@ impl Store {
             .fetch_one(tx)
             .await?;
         let mut admitted = vec![true; batch.len()];
-        for ((i, _), fits) in storing.iter().zip(fits) {
-            if !fits {
+        // One answer per message judged; a message without one is not admitted.
+        for (k, (i, _)) in storing.iter().enumerate() {
+            if !fits.get(k).copied().unwrap_or(false) {
                 admitted[*i] = false;
                 out.over_quota.push(*i);
             }

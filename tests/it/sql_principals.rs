@@ -187,6 +187,10 @@ async fn the_sql_door_refuses_destinations_and_sizes_the_deployment_does_not_all
             format!("{s}.expect('p', 'T', {long}, now(), 'orders.out')"),
         ),
         (
+            "a 256-byte exchange",
+            format!("{s}.expect('p', 'T', 'rk', now(), 'orders.' || repeat('x', 249))"),
+        ),
+        (
             "a 256-byte process_id",
             format!("{s}.expect({long}, 'T', 'rk', now(), 'orders.out')"),
         ),
@@ -259,6 +263,26 @@ async fn the_sql_door_refuses_destinations_and_sizes_the_deployment_does_not_all
             format!(
                 "{s}.schedule_delayed('orders.delayed', 'rk', {small}, {soon}, \
                  message_id => repeat('m', 256))"
+            ),
+            "54000",
+        ),
+        (
+            "a 256-byte correlation_id",
+            delayed(
+                "orders.delayed",
+                small,
+                soon,
+                "jsonb_build_object('correlation_id', repeat('c', 256))",
+            ),
+            "54000",
+        ),
+        (
+            "a 256-byte header name",
+            delayed(
+                "orders.delayed",
+                small,
+                soon,
+                "jsonb_build_object('headers', jsonb_build_object(repeat('h', 256), 'v'))",
             ),
             "54000",
         ),
@@ -348,6 +372,27 @@ async fn the_sql_door_refuses_destinations_and_sizes_the_deployment_does_not_all
     .await
     .expect("usage");
     assert_eq!(usage, Some(0), "the insert and the delete both counted");
+    // The ledger credits what it charged, however Postgres compresses the row.
+    world
+        .exec(&format!(
+            "INSERT INTO {s}.delayed_messages (owner, message_id, deliver_at, exchange, \
+             routing_key, properties, body) VALUES ('squeezed', 'm', now() + interval '1 hour', \
+             'orders.delayed', 'k', jsonb_build_object('headers', jsonb_build_array( \
+             jsonb_build_array('h', jsonb_build_object('t', 'str', 'v', repeat('abc', 20000))))), 'x')"
+        ))
+        .await;
+    world
+        .exec(&format!(
+            "DELETE FROM {s}.delayed_messages WHERE owner = 'squeezed'"
+        ))
+        .await;
+    let left: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT sum(bytes)::int8 FROM {s}.delayed_usage WHERE owner = 'squeezed'"
+    )))
+    .fetch_one(&world.pool)
+    .await
+    .expect("usage");
+    assert_eq!(left, Some(0), "a compressed row credited as charged");
     pm.close().await;
     op.close().await;
     world.cleanup().await;
