@@ -27,7 +27,9 @@
 //!   announcements within `member_ttl`), or when it names, in `after`, an announcement
 //!   this node sent or counted within `member_ttl`: it was sent after that one, so it
 //!   is at most about two `member_ttl` old. Every announcement names the newest it
-//!   counted of the lowest live members and of the senders it could not vouch for yet;
+//!   heard of the senders it could not vouch for yet (in turn, when there are more than
+//!   one announcement holds), of those that just became live here by naming it (so
+//!   they can count it in turn), and of the lowest live members;
 //! - otherwise (a sender heard for the first time, or again after a gap, a restart or
 //!   a reconnect) the announcement is *unvouched*: it does not count, but the election
 //!   answers it at its next tick (a stranger's announcement that is no probe: at most
@@ -121,10 +123,13 @@ pub const WINDOW: u64 = 64;
 /// memory, never correctness in a real group.
 pub const MAX_SENDERS: usize = 4096;
 
-/// Announcements one announcement names in `after`, at most.
-pub const MAX_AFTER: usize = 8;
-/// Of those, how many name senders not vouched for yet (the rest: the lowest live).
-const MAX_CHALLENGES: usize = 6;
+/// Announcements one announcement names in `after`, at most: with the rest of the body,
+/// well within [`crate::wire::announcement::MAX_BODY`]. Only a node with strangers to
+/// answer (a group starting, many newcomers) names more than a few.
+pub const MAX_AFTER: usize = 16;
+/// Of those, how many name the lowest live senders at least (the rest: senders not
+/// vouched for yet, and those owed an answer).
+const LOWEST_NAMED: usize = 2;
 /// Counted announcements remembered per sender, with when: what `after` may name.
 const RECENT: usize = 4;
 /// Own announcements remembered with when they were sent.
@@ -145,8 +150,11 @@ struct Seen {
     vouched_at: Option<Instant>,
     /// Its latest counted announcements and when: what others' `after` may name.
     recent: VecDeque<(u64, Instant)>,
-    /// Its newest announcement not vouched for, to be named: (seq, when, probe).
-    challenge: Option<(u64, Instant, bool)>,
+    /// Its newest announcement not vouched for, to be named.
+    challenge: Option<Challenge>,
+    /// It became live here by naming this node (or what this node counted): named once
+    /// in this node's next announcement, so it can count this node in turn.
+    owed: bool,
     /// When anything with proof last came from it (the least recent is forgotten first).
     heard: Instant,
     /// Vouched for at some time (restarts and gaps included).
@@ -163,6 +171,7 @@ impl Seen {
             vouched_at: None,
             recent: VecDeque::with_capacity(RECENT),
             challenge: None,
+            owed: false,
             heard: now,
             known: false,
         }
@@ -186,7 +195,8 @@ impl Seen {
         self.newest_sent_at = Some(sent_at);
     }
 
-    fn vouch(&mut self, seq: u64, now: Instant) {
+    fn vouch(&mut self, seq: u64, now: Instant, ttl: Duration) {
+        self.owed |= !self.live(now, ttl);
         self.vouched_at = Some(now);
         self.known = true;
         self.challenge = None;
@@ -203,6 +213,17 @@ impl Seen {
             .iter()
             .any(|(s, at)| *s <= seq && now.saturating_duration_since(*at) <= ttl)
     }
+}
+
+/// A sender's announcement not vouched for yet.
+#[derive(Debug, Clone, Copy)]
+struct Challenge {
+    seq: u64,
+    at: Instant,
+    probe: bool,
+    /// In how many of this node's announcements it was named: the least named go first,
+    /// so every stranger is named however many arrive in the same order each interval.
+    named: u32,
 }
 
 /// The admission of one node (or watcher).
@@ -270,6 +291,7 @@ impl Admission {
             seen.vouched_at = None;
             seen.recent.clear();
             seen.challenge = None;
+            seen.owed = false;
         }
     }
 
@@ -294,33 +316,67 @@ impl Admission {
     }
 
     /// What this node's next announcement names: the newest announcement of each sender
-    /// not vouched for yet (probes first, the latest first), then the newest counted of
-    /// the lowest live senders.
-    fn after(&self, now: Instant) -> Vec<(Uuid, u64)> {
+    /// not vouched for yet (probes first, then the least often named)
+    /// and of each sender owed an answer, then the newest counted of the lowest live
+    /// senders (at least [`LOWEST_NAMED`]).
+    fn after(&mut self, now: Instant) -> Vec<(Uuid, u64)> {
         let ttl = self.policy.member_ttl;
-        let mut challenges: Vec<(bool, Instant, Uuid, u64)> = self
+        let me = self.me;
+        // Among equals, each node takes the strangers in an order of its own, so the
+        // few announcing nodes answer different newcomers at once.
+        let mix = me.map_or(0, |m| m.as_u128());
+        let mut challenges: Vec<(bool, u32, u128, Uuid)> = self
             .last
             .iter()
             .filter_map(|(id, s)| {
-                let (seq, at, probe) = s.challenge?;
-                (now.saturating_duration_since(at) <= ttl).then_some((probe, at, *id, seq))
+                let c = s.challenge?;
+                (now.saturating_duration_since(c.at) <= ttl).then_some((
+                    !c.probe,
+                    c.named,
+                    id.as_u128() ^ mix,
+                    *id,
+                ))
             })
             .collect();
-        challenges.sort_unstable_by_key(|c| std::cmp::Reverse((c.0, c.1)));
-        let mut after: Vec<(Uuid, u64)> = challenges
-            .into_iter()
-            .take(MAX_CHALLENGES)
-            .map(|(_, _, id, seq)| (id, seq))
+        challenges.sort_unstable();
+        let mut owed: Vec<Uuid> = self
+            .last
+            .iter()
+            .filter(|(id, s)| s.owed && Some(**id) != me)
+            .map(|(id, _)| *id)
             .collect();
+        owed.sort_unstable();
         let mut live: Vec<(Uuid, u64)> = self
             .last
             .iter()
-            .filter(|(id, s)| Some(**id) != self.me && s.live(now, ttl))
+            .filter(|(id, s)| Some(**id) != me && s.live(now, ttl))
             .filter_map(|(id, s)| s.recent.back().map(|(seq, _)| (*id, *seq)))
             .collect();
         live.sort_unstable();
-        let room = MAX_AFTER - after.len();
-        after.extend(live.into_iter().take(room));
+        let room = MAX_AFTER - LOWEST_NAMED.min(live.len());
+        let mut after = Vec::with_capacity(MAX_AFTER);
+        for (_, _, _, id) in challenges.into_iter().take(room) {
+            if let Some(c) = self.last.get_mut(&id).and_then(|s| s.challenge.as_mut()) {
+                c.named += 1;
+                after.push((id, c.seq));
+            }
+        }
+        for id in owed.into_iter().take(room - after.len()) {
+            if let Some(s) = self.last.get_mut(&id) {
+                s.owed = false;
+                if let (true, Some((seq, _))) = (s.live(now, ttl), s.recent.back()) {
+                    after.push((id, *seq));
+                }
+            }
+        }
+        for entry in live {
+            if after.len() == MAX_AFTER {
+                break;
+            }
+            if !after.contains(&entry) {
+                after.push(entry);
+            }
+        }
         after
     }
 
@@ -465,10 +521,16 @@ impl Admission {
         if a.seq > seen.newest {
             seen.advance(a.seq, a.sent_at);
             if own || fresh || seen.live(now, ttl) {
-                seen.vouch(a.seq, now);
+                seen.vouch(a.seq, now, ttl);
                 return Ok(());
             }
-            seen.challenge = Some((a.seq, now, a.probe));
+            let named = seen.challenge.map_or(0, |c| c.named);
+            seen.challenge = Some(Challenge {
+                seq: a.seq,
+                at: now,
+                probe: a.probe,
+                named,
+            });
             // Copies of dead strangers' announcements must not make a node speak at
             // every tick: a probe, or a member heard again, is answered at once; any
             // other stranger at most once per member_ttl.

@@ -644,9 +644,8 @@ fn after_a_restart_senders_must_name_something_recent() {
     assert_eq!(kind(adm.admit(t1, wall, &a(3, &[(me, 2)]))), "ok");
 }
 
-/// What an announcement names: the senders not vouched for yet (probes first, the
-/// latest first), then the newest counted of the lowest live senders; never this node,
-/// at most `MAX_AFTER`.
+/// What an announcement names: the senders not vouched for yet (probes first), then the
+/// newest counted of the lowest live senders; never this node, at most `MAX_AFTER`.
 #[test]
 fn after_names_challenges_first_then_the_lowest_live() {
     let me = Uuid::from_u128(50);
@@ -655,13 +654,19 @@ fn after_names_challenges_first_then_the_lowest_live() {
     let mut adm = Admission::new(policy(), Some(me), wall);
     let ours = adm.seal(t0, &current(me, 1, wall, &[]));
     let _ = adm.admit(t0, wall, &ours);
-    for n in (1..=10u128).rev() {
+    let live = MAX_AFTER as u128 + 4;
+    for n in (1..=live).rev() {
         let a = seal(
             &current(Uuid::from_u128(n), 3, wall, &[(me, 1)]),
             USER,
             None,
         );
         assert_eq!(kind(adm.admit(t0, wall, &a)), "ok");
+    }
+    // They named this node: each is named back once (see the next test), in two
+    // announcements.
+    for seq in [2, 3] {
+        let _ = adm.seal(t0, &current(me, seq, wall, &[]));
     }
     let (quiet, probing) = (Uuid::from_u128(100), Uuid::from_u128(101));
     let at = |ms| t0 + Duration::from_millis(ms);
@@ -675,16 +680,85 @@ fn after_names_challenges_first_then_the_lowest_live() {
         kind(adm.admit(at(5), wall, &seal(&p, USER, None))),
         "unvouched"
     );
-    let env = adm.seal(at(20), &current(me, 2, wall, &[]));
-    let a: Announcement = serde_json::from_slice(&env.body).expect("json");
-    let after = a.after.expect("after");
+    let env = adm.seal(at(20), &current(me, 4, wall, &[]));
+    let after = named(&env);
     assert_eq!(after.len(), MAX_AFTER);
     assert_eq!(&after[..2], &[(probing, 1), (quiet, 4)]);
-    let lowest: Vec<(Uuid, u64)> = (1..=6u128).map(|n| (Uuid::from_u128(n), 3)).collect();
+    let lowest: Vec<(Uuid, u64)> = (1..=MAX_AFTER as u128 - 2)
+        .map(|n| (Uuid::from_u128(n), 3))
+        .collect();
     assert_eq!(&after[2..], &lowest[..]);
     // Challenges older than member_ttl are no longer named.
-    let later = adm.seal(at(20) + TTL, &current(me, 3, wall, &[]));
+    let later = adm.seal(at(20) + TTL, &current(me, 5, wall, &[]));
     assert!(!answer_names(&later, quiet, 4));
+}
+
+fn named(env: &Envelope) -> Vec<(Uuid, u64)> {
+    let a: Announcement = serde_json::from_slice(&env.body).expect("json");
+    a.after.expect("after")
+}
+
+/// The handshake's last step: a sender that becomes live here by naming this node is
+/// named in this node's next announcement (once), so it can count this node in turn,
+/// however many lower live senders fill the rest.
+#[test]
+fn a_sender_that_becomes_live_by_naming_this_node_is_named_back_once() {
+    let me = Uuid::from_u128(50);
+    let t0 = Instant::now();
+    let wall = Utc::now();
+    let mut adm = Admission::new(policy(), Some(me), wall);
+    let ours = adm.seal(t0, &current(me, 1, wall, &[]));
+    let _ = adm.admit(t0, wall, &ours);
+    for n in 1..=MAX_AFTER as u128 {
+        let a = seal(
+            &current(Uuid::from_u128(n), 3, wall, &[(me, 1)]),
+            USER,
+            None,
+        );
+        assert_eq!(kind(adm.admit(t0, wall, &a)), "ok");
+    }
+    let _ = adm.seal(t0, &current(me, 2, wall, &[]));
+    let high = Uuid::from_u128(1000);
+    let a = seal(&current(high, 7, wall, &[(me, 2)]), USER, None);
+    assert_eq!(kind(adm.admit(t0, wall, &a)), "ok");
+    let next = adm.seal(t0, &current(me, 3, wall, &[]));
+    assert!(answer_names(&next, high, 7), "{:?}", named(&next));
+    let after_that = adm.seal(t0, &current(me, 4, wall, &[]));
+    assert!(!answer_names(&after_that, high, 7));
+    // Live already: naming this node again owes nothing.
+    let again = seal(&current(high, 8, wall, &[(me, 4)]), USER, None);
+    assert_eq!(kind(adm.admit(t0, wall, &again)), "ok");
+    let last = adm.seal(t0, &current(me, 5, wall, &[]));
+    assert!(!answer_names(&last, high, 8));
+}
+
+/// More strangers than one announcement can name, arriving in the same order every
+/// interval: each announcement names those named least so far, so every one of them is
+/// named within a few announcements (a fixed pick would leave the same ones out for
+/// ever).
+#[test]
+fn every_stranger_is_named_in_turn() {
+    let me = Uuid::from_u128(5000);
+    let t0 = Instant::now();
+    let wall = Utc::now();
+    let mut adm = Admission::new(policy(), Some(me), wall);
+    let strangers: Vec<Uuid> = (1..=3 * MAX_AFTER as u128).map(Uuid::from_u128).collect();
+    let mut seen = std::collections::HashSet::new();
+    for round in 0..3u64 {
+        let at = t0 + Duration::from_millis(250 * round);
+        for (i, id) in strangers.iter().enumerate() {
+            let a = seal(&current(*id, round + 1, wall, &[]), USER, None);
+            assert_eq!(kind(adm.admit(at, wall, &a)), "unvouched", "{i}");
+        }
+        let env = adm.seal(at, &current(me, round + 1, wall, &[]));
+        let after = named(&env);
+        assert_eq!(after.len(), MAX_AFTER);
+        for (id, seq) in after {
+            assert_eq!(seq, round + 1);
+            assert!(seen.insert(id), "{id} named twice before all were named");
+        }
+    }
+    assert_eq!(seen.len(), strangers.len());
 }
 
 /// Randomized: members with host clocks up to ten minutes apart announce (each judging

@@ -53,6 +53,25 @@ fn without_faults_exactly_one_node_is_active() {
     }
 }
 
+/// Groups larger than the rest of this file, where each announcement can name only some
+/// of the senders its node cannot vouch for yet: every node announcing (the old rule, as
+/// in a group of earlier versions' rule), and five hundred replicas started within one
+/// tick. Both converge within the warm-up (5 s) and stay converged.
+#[test]
+fn large_groups_converge_to_one_active_node() {
+    let mut all = config(100, SimRule::Old, Scenario::None, 0.0, 0);
+    all.duration = Duration::from_secs(10);
+    let mut cold = config(500, SimRule::New, Scenario::None, 0.0, 0);
+    cold.duration = Duration::from_secs(1);
+    // A start order where naming a fixed few strangers left nodes active past 5 s.
+    cold.seed = 1;
+    for cfg in [all, cold] {
+        let r = run(&cfg);
+        assert_eq!(r.multi_active_fraction, 0.0, "{r:?}");
+        assert_eq!(r.zero_active_fraction, 0.0, "{r:?}");
+    }
+}
+
 #[test]
 fn one_percent_loss_and_50ms_jitter_meet_the_targets() {
     for rule in [SimRule::Old, SimRule::New] {
