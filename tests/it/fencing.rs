@@ -124,7 +124,13 @@ async fn run(name: &str, fault: Fault) {
         Fault::CutFromRabbitmq => amqp.set(Mode::Stall),
         Fault::CutFromPostgres => pg.set(Mode::Stall),
     }
-    tokio::time::sleep(FAULT).await;
+    let fault_at = Utc::now();
+    // Midway, what the server holds for each node: the first thing to read when a row
+    // waited (a session the fence did not end, or a successor that did not take over).
+    tokio::time::sleep(FAULT / 2).await;
+    let sessions = sessions(&p).await;
+    tokio::time::sleep(FAULT - FAULT / 2).await;
+    let healed_at = Utc::now();
     match fault {
         Fault::Freeze => victim.signal("CONT"),
         Fault::CutFromRabbitmq => amqp.set(Mode::Pass),
@@ -170,6 +176,33 @@ async fn run(name: &str, fault: Fault) {
     );
     assert_eq!(early, 0);
     if worst > LATEST || std::env::var_os("FENCE_LOGS").is_some() {
+        eprintln!(
+            "fault from {fault_at} to {healed_at}; victim {}",
+            p.procs[i].node_id
+        );
+        eprintln!("sessions midway: {sessions:#?}");
+        for (d, id) in late.iter().rev().take(5) {
+            eprintln!("late {d:?}: due {}", deadlines[*id]);
+        }
+        const EVENTS: [&str; 6] = [
+            "role changed",
+            "withdrawn",
+            "ended the database sessions",
+            "cannot end the sessions",
+            "lease lost",
+            "rejoin",
+        ];
+        for (k, proc) in p.procs.iter().enumerate() {
+            let role = if k == i { "victim" } else { "successor" };
+            for line in proc.log.lock().expect("log").iter() {
+                if EVENTS.iter().any(|e| line.contains(e)) {
+                    eprintln!(
+                        "{role} event: {}",
+                        line.chars().take(400).collect::<String>()
+                    );
+                }
+            }
+        }
         for (k, proc) in p.procs.iter().enumerate() {
             let role = if k == i { "victim" } else { "successor" };
             for line in proc.log.lock().expect("log").iter() {
@@ -202,6 +235,22 @@ async fn rows_of_an_active_node_cut_from_rabbitmq_fire_within_member_ttl() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_of_an_active_node_cut_from_postgres_fire_within_member_ttl() {
     run("cut-postgres", Fault::CutFromPostgres).await;
+}
+
+/// The daemons' sessions on the server: node, state, and the relation locks held.
+async fn sessions(p: &Pair) -> Vec<(String, String, String, Vec<String>)> {
+    sqlx::query_as(
+        "SELECT a.application_name, coalesce(a.state, ''), coalesce(a.wait_event, ''), \
+         coalesce(array_agg(l.mode || ' ' || l.relation::regclass::text) \
+           FILTER (WHERE l.relation IS NOT NULL), '{}') \
+         FROM pg_stat_activity a LEFT JOIN pg_locks l ON l.pid = a.pid \
+           AND l.locktype = 'relation' AND l.granted \
+         WHERE a.application_name LIKE 'timeoutd-%' AND a.datname = current_database() \
+         GROUP BY a.pid, a.application_name, a.state, a.wait_event ORDER BY 1",
+    )
+    .fetch_all(&p.world.pool)
+    .await
+    .unwrap_or_default()
 }
 
 /// Keeps `MEMBER_TTL` named where the bound is derived (the daemons run the default).
