@@ -212,7 +212,7 @@ fn never(n: Names<'_>, what: &str, explicit: &[String]) -> Result<Vec<Step>, Des
     let any_ingress = n
         .ingress_template
         .split(GROUP)
-        .map(globset::escape)
+        .map(glob_escape)
         .collect::<Vec<_>>()
         .join("*");
     let ingress_why = never("an ingress exchange would delay it again, or for another group");
@@ -252,6 +252,19 @@ fn globs(patterns: &[String]) -> Result<Option<Matcher>, DestinationError> {
         .join("|");
     Ok(Some(Matcher::Globs(build(set)?, are)))
 }
+/// A name as a glob pattern matching exactly it. (`globset::escape` leaves a backslash
+/// as it is, which the patterns here read as an escape.)
+fn glob_escape(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        if "\\?*[]{},".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// A name as a POSIX regular expression matching exactly it.
 fn are_escape(name: &str) -> String {
     let mut out = String::with_capacity(name.len());
@@ -402,6 +415,34 @@ mod tests {
         .expect("valid");
         assert!(r.check("billing.delayed").is_err());
         assert_eq!(r.check("billing.delayed.out"), Ok(()));
+    }
+
+    /// Every character of the configured ingress name is itself, the `{group}` part
+    /// any: a backslash, a bracket or a star in it neither escapes nor widens anything.
+    #[test]
+    fn the_ingress_template_is_taken_literally() {
+        let r = Destinations::new(Names {
+            target: "out",
+            allowed: &["*".to_owned()],
+            announce: "a",
+            ingress_template: "d\\e[l]*{a,y}.{group}",
+            ingress: "d\\e[l]*{a,y}.g1",
+        })
+        .expect("valid");
+        for refused in ["d\\e[l]*{a,y}.g1", "d\\e[l]*{a,y}.other"] {
+            assert!(r.check(refused).is_err(), "{refused}");
+        }
+        for allowed in ["de[l]*{a,y}.g1", "d\\el.g1", "d\\e[l]xa.g1", "d\\e[l]*a.g1"] {
+            assert_eq!(r.check(allowed), Ok(()), "{allowed}");
+        }
+        let sql = r.sql();
+        for name in ["d\\e[l]*{a,y}.other", "d\\el.g1", "de[l]*{a,y}.g1"] {
+            let by_sql = sql
+                .iter()
+                .find(|s| Regex::new(&s.pattern).expect("pattern").is_match(name))
+                .map(|s| s.refuse.is_none());
+            assert_eq!(Some(r.check(name).is_ok()), by_sql, "{name:?} by {sql:?}");
+        }
     }
 
     #[test]
