@@ -32,6 +32,13 @@ impl Kind {
         }
     }
 
+    /// The notification that makes the active node look at this kind's rows from the
+    /// start: the trigger's payload for a row due at `'-infinity'` (migration 0010), the
+    /// only form the listener takes without a due time.
+    pub fn look_from_start(self) -> String {
+        format!("{}:-", self.name())
+    }
+
     pub fn parse(name: &str) -> Option<Kind> {
         Kind::ALL.into_iter().find(|k| k.name() == name)
     }

@@ -346,6 +346,11 @@ mod tests {
             Some(DateTime::<Utc>::MAX_UTC),
             "infinite: nothing to wake for"
         );
+        // What the fence sends after ending a departed node's sessions.
+        for kind in Kind::ALL {
+            let look = parse_notice(&kind.look_from_start()).expect("the trigger's form");
+            assert_eq!((look.kind, look.due), (Some(kind), None));
+        }
         for junk in [
             "",
             "expectation",

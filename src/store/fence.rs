@@ -40,9 +40,12 @@ impl Store {
         let ended = ended.into_iter().filter(|e| *e).count();
         if ended > 0 {
             // The freed rows are behind where the active node's scan stands (it passed
-            // them by, locked): a notice without a due time makes it look from the start.
-            sqlx::query("SELECT pg_notify($1, 'fenced')")
+            // them by, locked): a notice without a due time makes it look from the start
+            // (any other payload is dropped as someone else's).
+            let looks: Vec<String> = Kind::ALL.iter().map(|k| k.look_from_start()).collect();
+            sqlx::query("SELECT pg_notify($1, look) FROM unnest($2::text[]) AS look")
                 .bind(self.notify_channel())
+                .bind(&looks)
                 .execute(&self.pool)
                 .await?;
         }
