@@ -255,21 +255,19 @@ fn globs(patterns: &[String]) -> Result<Option<Matcher>, DestinationError> {
 /// A name as a glob pattern matching exactly it. (`globset::escape` leaves a backslash
 /// as it is, which the patterns here read as an escape.)
 fn glob_escape(name: &str) -> String {
-    let mut out = String::with_capacity(name.len());
-    for c in name.chars() {
-        if "\\?*[]{},".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
+    backslash_before(name, "\\?*[]{},")
 }
 
 /// A name as a POSIX regular expression matching exactly it.
 fn are_escape(name: &str) -> String {
+    backslash_before(name, "\\^$.|?*+()[]{}")
+}
+
+/// `name` with a backslash before each of the `special` characters.
+fn backslash_before(name: &str, special: &str) -> String {
     let mut out = String::with_capacity(name.len());
     for c in name.chars() {
-        if "\\^$.|?*+()[]{}".contains(c) {
+        if special.contains(c) {
             out.push('\\');
         }
         out.push(c);
