@@ -651,18 +651,7 @@ fn after_names_challenges_first_then_the_lowest_live() {
     let me = Uuid::from_u128(50);
     let t0 = Instant::now();
     let wall = Utc::now();
-    let mut adm = Admission::new(policy(), Some(me), wall);
-    let ours = adm.seal(t0, &current(me, 1, wall, &[]));
-    let _ = adm.admit(t0, wall, &ours);
-    let live = MAX_AFTER as u128 + 4;
-    for n in (1..=live).rev() {
-        let a = seal(
-            &current(Uuid::from_u128(n), 3, wall, &[(me, 1)]),
-            USER,
-            None,
-        );
-        assert_eq!(kind(adm.admit(t0, wall, &a)), "ok");
-    }
+    let mut adm = live_senders(me, t0, wall, (1..=MAX_AFTER as u128 + 4).rev());
     // They named this node: each is named back once (see the next test), in two
     // announcements.
     for seq in [2, 3] {
@@ -693,6 +682,28 @@ fn after_names_challenges_first_then_the_lowest_live() {
     assert!(!answer_names(&later, quiet, 4));
 }
 
+/// The admission of node `me` that sent its announcement 1 and counted announcement 3
+/// of each of `senders` (ids by number, in that order), each naming it.
+fn live_senders(
+    me: Uuid,
+    t0: Instant,
+    wall: DateTime<Utc>,
+    senders: impl Iterator<Item = u128>,
+) -> Admission {
+    let mut adm = Admission::new(policy(), Some(me), wall);
+    let ours = adm.seal(t0, &current(me, 1, wall, &[]));
+    let _ = adm.admit(t0, wall, &ours);
+    for n in senders {
+        let a = seal(
+            &current(Uuid::from_u128(n), 3, wall, &[(me, 1)]),
+            USER,
+            None,
+        );
+        assert_eq!(kind(adm.admit(t0, wall, &a)), "ok", "sender {n}");
+    }
+    adm
+}
+
 fn named(env: &Envelope) -> Vec<(Uuid, u64)> {
     let a: Announcement = serde_json::from_slice(&env.body).expect("json");
     a.after.expect("after")
@@ -706,17 +717,7 @@ fn a_sender_that_becomes_live_by_naming_this_node_is_named_back_once() {
     let me = Uuid::from_u128(50);
     let t0 = Instant::now();
     let wall = Utc::now();
-    let mut adm = Admission::new(policy(), Some(me), wall);
-    let ours = adm.seal(t0, &current(me, 1, wall, &[]));
-    let _ = adm.admit(t0, wall, &ours);
-    for n in 1..=MAX_AFTER as u128 {
-        let a = seal(
-            &current(Uuid::from_u128(n), 3, wall, &[(me, 1)]),
-            USER,
-            None,
-        );
-        assert_eq!(kind(adm.admit(t0, wall, &a)), "ok");
-    }
+    let mut adm = live_senders(me, t0, wall, 1..=MAX_AFTER as u128);
     let _ = adm.seal(t0, &current(me, 2, wall, &[]));
     let high = Uuid::from_u128(1000);
     let a = seal(&current(high, 7, wall, &[(me, 2)]), USER, None);
